@@ -1090,6 +1090,31 @@ def test_what_a_failed_rank_leaves_for_the_others_to_name_is_never_an_empty_mess
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "after-an-error"])
+def test_a_gloo_rank_leaving_without_a_barrier_frees_the_gil_before_the_destroy(tmp_path, monkeypatch, clean):
+    """fit()'s teardown after an exception destroyed the group and ran gc.collect with the GIL held, with no barrier
+    to let a gloo worker thread take the GIL to free a finished collective's tensor: its join could hang. A clean exit's
+    barrier does that already, and gets no sleep."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ampkit.trainer import distributed as trainer_dist
+
+    events: list[str] = []
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(trainer_dist, "time", SimpleNamespace(sleep=lambda s: events.append(f"sleep {s}")))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (events.append("destroy"), destroy())[1])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        trainer_dist.teardown_distributed(trainer_dist.DistributedEnv(owns_group=True), clean=clean)
+    finally:
+        if dist.is_initialized():
+            destroy()
+    assert events[-1] == "destroy" and len(events) == (1 if clean else 2), events
+    assert clean or events[0] == f"sleep {trainer_dist.GLOO_RELEASE_GRACE_S}"
+
+
 def test_the_rank_that_arrives_after_its_peers_gave_up_on_it_is_told_it_was_the_slow_one(monkeypatch):
     """Rank 0's collective timed out waiting for a stuck rank 1, named it and left; rank 1, reaching its own collective
     later, found rank 0 checked in and was told 'all ranks are alive; a collective timed out or the ranks diverged'."""

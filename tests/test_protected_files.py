@@ -239,3 +239,123 @@ def test_pruning_keeps_a_users_file_under_a_checkpoint_s_name(tmp_path):
     assert kept == ["best-00000001.pt", "best-00000002.pt", "epoch-0001.pt", "step-00000001.pt"]  # once each
     periodic = sorted(p.name for p in checkpoints.glob("*") if p not in mine and p.name.startswith(("step", "epoch")))
     assert periodic == ["epoch-0004.pt", "step-00000032.pt"]  # keep_last still prunes the run's own
+
+
+@pytest.mark.parametrize("name", ["best.pt", "step-00000040.pt"])
+def test_a_resume_that_would_write_over_a_users_file_is_refused_before_training(tmp_path, name):
+    """A file of the user's at best.pt (or a step file the run reaches later) of the run a --resume last continues was
+    replaced by the resume's tidy-up (best.pt) or its first save there, with a checkpoint."""
+    settings = {**QUIET, "checkpoint.monitor": "val/mse", "trainer.val_every_n_steps": 2, "checkpoint.every_n_steps": 4}
+    first = ToyTrainer(toy_cfg(tmp_path, **settings))
+    first.fit()
+    mine = first.version_dir / "checkpoints" / name
+    torch.save({"weight": torch.ones(2)}, mine)
+    before = _files(tmp_path)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 6}))
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(str(mine))}' holds no ampkit checkpoint .* move it out"):
+        resumed.fit(resume="last")
+    assert _files(tmp_path) == before
+
+
+def test_a_users_file_put_at_best_pt_mid_run_stops_the_save_naming_it(tmp_path):
+    """A user's torch.save of weights at best.pt while the run trains: the next new best replaced it."""
+
+    class PutsMyBest(KeepsStepTwo):
+        def on_train_batch_end(self, outputs, batch):
+            if self.state.global_step == 3:
+                torch.save({"weight": torch.ones(2)}, self.version_dir / "checkpoints" / "best.pt")
+
+    settings = {
+        **QUIET,
+        "trainer.max_steps": 6,
+        "trainer.val_every_n_steps": 1,
+        "trainer.num_sanity_val_steps": 0,
+        "checkpoint.monitor": "val/step",
+        "checkpoint.mode": "max",
+    }
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(str(checkpoints / 'best.pt'))}' \(holds no ampkit"):
+        PutsMyBest(toy_cfg(tmp_path, **settings)).fit()
+    assert list(torch.load(checkpoints / "best.pt", weights_only=True)) == ["weight"]
+    assert torch.load(checkpoints / "last.pt", weights_only=True)["loop"]["global_step"] == 2  # the save before
+
+
+def test_resume_last_of_a_users_file_at_last_pt_says_whose_it_is(tmp_path):
+    """--resume last of a run whose last.pt a user replaced said 'Expected a file ampkit's ModelCheckpoint wrote
+    (last.pt, step-N.pt)' of a file named last.pt."""
+    first = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    first.fit()
+    last = first.version_dir / "checkpoints" / "last.pt"
+    torch.save({"weight": torch.ones(2)}, last)
+    with pytest.raises(CheckpointError, match="a file of yours put there") as raised:
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})).fit(resume="last")
+    assert "Expected a file" not in str(raised.value) and "epoch-0001.pt" in str(raised.value)
+    assert list(torch.load(last, weights_only=True)) == ["weight"]
+
+
+@pytest.mark.parametrize(("name", "kind"), [("best", "file"), ("best", "directory"), ("step-00000020", "directory")])
+def test_a_sharded_resume_refuses_to_replace_a_users_own_file_or_folder(tmp_path, name, kind):
+    """A sharded run's best is a link; a file or a folder of the user's put at its name (exported weights) was
+    replaced by the link at the resumed run's next best, the folder deleted as if it were a copy of a checkpoint; one
+    at a later step's name was set aside and deleted by that step's save."""
+    settings = {
+        **QUIET,
+        "distributed.strategy": "fsdp",
+        "checkpoint.monitor": "val/mse",
+        "trainer.val_every_n_steps": 4,
+        "checkpoint.every_n_steps": 4,
+    }
+    first = ToyTrainer(toy_cfg(tmp_path, **settings))
+    first.fit()
+    mine = first.version_dir / "checkpoints" / name
+    if mine.is_symlink():
+        mine.unlink()
+    if kind == "directory":
+        mine.mkdir()
+        (mine / "model.safetensors").write_bytes(b"my exported weights")
+    else:
+        mine.write_bytes(b"my notes")
+    before = _files(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(str(mine))}' holds no ampkit checkpoint"):
+        ToyTrainer(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 3})).fit(resume="last")
+    assert _files(tmp_path) == before
+
+
+def test_moving_a_sharded_alias_never_replaces_a_users_file_there(tmp_path):
+    """The save's own guard, below the resume's check: a file of the user's put at last while the run trains."""
+    from ampkit.trainer.sharded_checkpoint import point_last_at
+
+    (tmp_path / "step-00000001").mkdir()
+    mine = tmp_path / "last"
+    mine.write_bytes(b"my notes")
+    with pytest.raises(FileExistsError, match="holds no ampkit checkpoint") as raised:
+        point_last_at(tmp_path / "step-00000001")
+    assert raised.value.filename == str(mine) and mine.read_bytes() == b"my notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-00000001"]  # no temp link left
+
+
+def test_a_sharded_save_never_sets_aside_and_deletes_a_users_folder_at_its_name(tmp_path):
+    """A save (here a best-k copy) into a name where a folder of the user's stands moved it aside and deleted it."""
+    from ampkit.trainer.sharded_checkpoint import copy_sharded
+
+    source = tmp_path / "step-00000001"
+    source.mkdir()
+    (source / ".metadata").write_bytes(b"m")
+    mine = tmp_path / "best-00000001"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds no ampkit checkpoint"):
+        copy_sharded(source, mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+
+
+def test_a_run_does_not_read_back_the_checkpoints_it_wrote_to_tell_them_from_a_users(tmp_path, monkeypatch):
+    """Each save read last.pt (and each file pruning passed) back to see that it was no file of the user's: for a
+    model of a few thousand tensors that read cost 70% of the save's time again."""
+    from ampkit.trainer import checkpoint_io
+
+    read: list[str] = []
+    monkeypatch.setattr(checkpoint_io, "_holds_ampkit_checkpoint", lambda path, *identity: read.append(path) or True)
+    settings = {**QUIET, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1, "checkpoint.monitor": "val/mse"}
+    ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.val_every_n_steps": 2})).fit()
+    assert read == []

@@ -306,6 +306,27 @@ def test_a_second_live_run_in_the_same_version_directory_is_refused(tmp_path):
     assert load_checkpoint(first.version_dir / "checkpoints" / "last.pt")["loop"]["epoch"] == 2
 
 
+def test_a_resume_that_another_resume_overtook_before_the_lock_is_refused(tmp_path):
+    """Two --resume last at once: the second read last.pt (step 8), and while it built its model the first took the
+    lock, trained to step 32 and left; the second then took the free lock and trained from step 8 over it, its last.pt
+    going back to step 16 and keep_last pruning by the older lineage."""
+    ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit()
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
+
+    class Overtaken(ToyTrainer):
+        def configure_model(self):
+            ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 4})).fit(resume="last")
+            return super().configure_model()
+
+    with pytest.raises(RunDirectoryError, match=r"changed after this run read .*now epoch 4, step 32"):
+        Overtaken(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})).fit(resume="last")
+    assert load_checkpoint(last)["loop"]["global_step"] == 32
+    assert not (last.parent.parent / LOCK_FILE).exists()
+    resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 5}))
+    resumed.fit(resume="last")  # run again: it continues from the newest
+    assert resumed.version_dir.name == "version_0" and load_checkpoint(last)["loop"]["global_step"] == 40
+
+
 def test_a_stale_lock_is_taken_over_and_a_foreign_host_s_is_refused(tmp_path):
     cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1})
     first = ToyTrainer(cfg)

@@ -22,6 +22,7 @@ from ampkit.trainer.checkpoint_io import (
     deletable,
     from_storage,
     is_best_k_checkpoint_name,
+    refuse_foreign,
     save_atomic,
     unloadable_entry,
 )
@@ -282,6 +283,7 @@ class ModelCheckpoint(KeyedByMonitor):
             return
         alias, best = directory / "best.pt", directory / next(iter(self.best_k))
         if alias.is_file() and best.is_file() and loop_of(alias) != loop_of(best):
+            refuse_foreign(alias)  # a file of the user's there: plan_fit refused to continue the run, but not in code
             copy_atomic(best, alias)
 
     def _relink_best(self, directory: Path) -> None:
@@ -472,14 +474,15 @@ class ModelCheckpoint(KeyedByMonitor):
     def _write(self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None) -> Path:
         """Rank zero's part of a save: the file, its best-k copies, ``last.pt``, then the pruning."""
         directory, path = trainer.version_dir / "checkpoints", None
+        new_best = best is not None and best == next(iter(self.best_k))  # best.pt copies it (else it holds it already)
+        names = [filename, *([best] if best not in (None, filename) else []), *(["best.pt"] if new_best else [])]
         writing = directory / filename
         try:
-            path = save_atomic(checkpoint, writing)
-            if best is not None:
-                if best != filename:
-                    copy_atomic(path, writing := directory / best)
-                if best == next(iter(self.best_k)):  # a new best: best.pt copies it (else it holds the best already)
-                    copy_atomic(path, writing := directory / "best.pt")
+            for name in (*names, "last.pt"):  # a file of the user's at any of them stops the save before it writes
+                refuse_foreign(writing := directory / name)
+            path = save_atomic(checkpoint, writing := directory / filename)
+            for name in names[1:]:
+                copy_atomic(path, writing := directory / name)
             copy_atomic(path, writing := directory / "last.pt")
         except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
             reason = exc.strerror or str(exc)

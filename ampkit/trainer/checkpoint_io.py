@@ -193,14 +193,52 @@ def _kept_because(path: Path) -> tuple[str, str] | None:
     """Why pruning keeps ``path`` (see :func:`deletable`) and what lets it go, or None."""
     if write_protected(path):
         return "is write-protected (chmod a-w)", "make it writable again (chmod u+w) to let them delete it"
-    try:
-        info = path.stat()
-    except OSError:  # gone: nothing to keep
-        return None
-    identity = (str(path), info.st_ino, info.st_mtime_ns, info.st_size)
-    if stat.S_ISREG(info.st_mode) and not _holds_ampkit_checkpoint(*identity):
+    if foreign_file(path):
         return "holds no ampkit checkpoint", "move it out of the checkpoints folder, or delete it yourself"
     return None
+
+
+# A file under a name ampkit gives its checkpoints (last.pt, best.pt, step-N.pt...) that holds no ampkit checkpoint
+# is the user's (notes, a torch.save of weights put there): ampkit never deletes or replaces it.
+FOREIGN = (
+    "holds no ampkit checkpoint, so it is yours and ampkit never replaces it: move it out of the checkpoints folder"
+)
+
+
+def foreign_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file (or a symlink to one) that holds no ampkit checkpoint: a user's own under a
+    checkpoint's name. Each file is read once (without its tensors) however often this asks."""
+    identity = _identity(path)
+    return identity is not None and identity not in _WRITTEN and not _holds_ampkit_checkpoint(*identity)
+
+
+# The identities of the checkpoint files this process wrote (or copied from one it wrote): known to be ampkit's
+# without a read, which for a large one (thousands of tensors) costs most of a save's time. The newest few are kept.
+_WRITTEN: dict[tuple[str, int, int, int], None] = {}
+
+
+def _identity(path: str | os.PathLike) -> tuple[str, int, int, int] | None:
+    """``(path, inode, mtime, size)`` of the regular file ``path`` (a symlink read where it leads), or None."""
+    try:
+        info = os.stat(path)
+    except OSError:  # gone, or unreadable
+        return None
+    return (os.fspath(path), info.st_ino, info.st_mtime_ns, info.st_size) if stat.S_ISREG(info.st_mode) else None
+
+
+def _remember_written(path: Path) -> None:
+    """Record checkpoint file ``path``, just written by this process, as ampkit's (see :data:`_WRITTEN`)."""
+    if (identity := _identity(path)) is not None:
+        _WRITTEN[identity] = None
+        while len(_WRITTEN) > 256:
+            del _WRITTEN[next(iter(_WRITTEN))]
+
+
+def refuse_foreign(path: str | os.PathLike) -> None:
+    """A ``FileExistsError`` naming ``path`` when it is a :func:`foreign_file`: a save there would replace the user's
+    file with a checkpoint."""
+    if foreign_file(path):
+        raise FileExistsError(errno.EEXIST, FOREIGN, os.fspath(path))
 
 
 @functools.lru_cache(maxsize=256)
@@ -266,6 +304,8 @@ def save_atomic(obj: Any, path: str | os.PathLike, replace: bool = True) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     _replace_atomically(path, "wb", lambda f: torch.save(obj, f), replace)
     _fsync_dir(path.parent)
+    if isinstance(obj, dict) and FORMAT_KEY in obj:
+        _remember_written(path)
     return path
 
 
@@ -301,8 +341,25 @@ def _copy_bytes(source: Path, target: IO) -> None:
 def copy_atomic(source: Path, alias: Path) -> None:
     """Make ``alias`` a copy of ``source``, atomically (as :func:`save_atomic` writes). A copy, not a link: a user
     who rewrites one checkpoint in place (``torch.save(ck, "last.pt")``) changes that one, not every name of it."""
+    ours = _identity(source) in _WRITTEN
     _replace_atomically(alias, "wb", lambda f: _copy_bytes(source, f))
     _fsync_dir(alias.parent)
+    if ours:
+        _remember_written(alias)
+
+
+_NUMBERED_NAMES = (is_periodic_checkpoint_name, is_best_k_checkpoint_name)
+
+
+def _expected_instead(name: str) -> str:
+    """What a load expected of a foreign file named ``name``: a file at a checkpoint's own name was put there by
+    someone else (ampkit wrote no such file), and a run would never replace it."""
+    if name in ("last.pt", "best.pt") or any(named(name, False) for named in _NUMBERED_NAMES):
+        return (
+            f"ampkit did not write it, though {name} is the name of one of its checkpoints: a file of yours put there, "
+            "which a run never replaces; move it out of the checkpoints folder"
+        )
+    return "Expected a file ampkit's ModelCheckpoint wrote (last.pt, step-N.pt)"
 
 
 # Words of torch's weights-only unpickler when a pickle names code (a GLOBAL, a reduce call, a class), as
@@ -547,8 +604,8 @@ def _load_open(path: Path, file: IO[bytes]) -> dict[str, Any]:
         )
     if not isinstance(checkpoint, dict) or FORMAT_KEY not in checkpoint:
         raise CheckpointError(
-            f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry): {foreign_contents(checkpoint)}. Expected "
-            "a file ampkit's ModelCheckpoint wrote (last.pt, step-N.pt)"
+            f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry): {foreign_contents(checkpoint)}. "
+            + _expected_instead(path.name)
         )
     if isinstance(checkpoint[FORMAT_KEY], bool) or not isinstance(checkpoint[FORMAT_KEY], int):
         raise CheckpointError(

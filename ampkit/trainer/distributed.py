@@ -185,6 +185,19 @@ def _fresh_group_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
     return dist.PrefixStore(f"ampkit_group_{attempt}_{_groups_created}", store), rank, size
 
 
+# How long a rank leaving a gloo group without a barrier lets gloo's threads take the GIL: they need microseconds of
+# it, and a loaded machine's scheduler runs a waiting thread within some tens of milliseconds.
+GLOO_RELEASE_GRACE_S = 0.1
+
+
+def let_gloo_threads_release() -> None:
+    """Sleep a moment with the GIL free where the default group is gloo's: a gloo worker thread may still need the GIL
+    to free a finished collective's Python tensor, and one that gets it only as the group is destroyed (its join
+    waits on the thread, the GIL held) or as the interpreter shuts down hangs or aborts the process."""
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        time.sleep(GLOO_RELEASE_GRACE_S)
+
+
 def teardown_distributed(env: DistributedEnv, clean: bool = True, failure: BaseException | None = None) -> None:
     """Destroy the process group; after a clean run, only once every rank got here.
 
@@ -192,14 +205,17 @@ def teardown_distributed(env: DistributedEnv, clean: bool = True, failure: BaseE
     gloo worker thread that frees the last collective's Python tensor after the interpreter began shutting down
     is ended mid-release: either aborts the process ("terminate called without an active exception") after all
     its work is done. The barrier makes ranks leave together, and releases the GIL to those threads while it
-    waits; after an exception it is skipped (a peer may be dead), and this rank's own ``failure`` is left on the
-    store first, for the peers' diagnosis to name.
+    waits; after an exception it is skipped (a peer may be dead): this rank's own ``failure`` is left on the
+    store first, for the peers' diagnosis to name, and the rank sleeps a moment with the GIL free instead
+    (:func:`let_gloo_threads_release`) before the destroy joins those threads and ``gc.collect`` runs.
     """
     if env.owns_group and dist.is_initialized():
         if clean:
             dist.barrier()
-        elif env.enabled and failure is not None and not is_communication_failure(failure):
-            _leave_failure(failure, env)
+        else:
+            if env.enabled and failure is not None and not is_communication_failure(failure):
+                _leave_failure(failure, env)
+            let_gloo_threads_release()
         dist.destroy_process_group()
         gc.collect()  # what still referenced the group goes now, not during interpreter shutdown
 

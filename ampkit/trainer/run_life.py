@@ -69,6 +69,7 @@ from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     DamagedCheckpointError,
     deletable,
+    foreign_file,
     from_storage,
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
@@ -91,6 +92,7 @@ from ampkit.trainer.sharded_checkpoint import (
     newest_whole_beside,
     periodic_checkpoints,
     training_order,
+    users_own_at,
 )
 
 LOCK_FILE = "run.lock"
@@ -520,6 +522,12 @@ def plan_fit(
             f"run_dir to '{version_dir.parent}')"
         )
         version_dir = None
+    if version_dir is not None and (yours := _users_file_in_the_way(version_dir, loop, sharded)) is not None:
+        raise CheckpointError(
+            f"'{yours}' holds no ampkit checkpoint (a file of yours under a name ampkit gives its checkpoints), and "
+            f"continuing the run in '{version_dir}' from '{path}' would write that name: move it out of "
+            f"'{yours.parent}' (or rename it) and resume again; nothing was trained and nothing written"
+        )
     return FitStart(
         checkpoint_path=path,
         checkpoint=None if sharded else checkpoint,
@@ -563,6 +571,24 @@ def _protected_alias(version_dir: Path) -> Path | None:
     checkpoints = version_dir / "checkpoints"
     aliases = [checkpoints / name for name in ("last.pt", "best.pt", "last", "best")]
     return next((a for a in aliases if a.exists() and not a.is_symlink() and write_protected(a)), None)
+
+
+def _users_file_in_the_way(version_dir: Path, loop: dict[str, int], sharded: bool) -> Path | None:
+    """The first file in ``version_dir``'s ``checkpoints/`` that holds no ampkit checkpoint (a user's own) under a
+    name a run continued from ``loop`` writes, or None: ``last``, ``best``, or a step, epoch or best-k name past that
+    position (``.pt`` files; a ``sharded`` run's directories and links: :func:`users_own_at`). Its save would stop
+    there."""
+    checkpoints = version_dir / "checkpoints"
+    past = {"step": loop.get("global_step", 0), "best": loop.get("global_step", 0), "epoch": loop.get("epoch", 0)}
+    suffix, users_own = ("", users_own_at) if sharded else (".pt", foreign_file)
+
+    def written_later(name: str) -> bool:
+        numbered = re.fullmatch(rf"(step|epoch|best)-(\d+){re.escape(suffix)}", name)
+        aliases = (f"last{suffix}", f"best{suffix}")
+        return name in aliases or (numbered is not None and int(numbered[2]) > past[numbered[1]])
+
+    names = sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else []
+    return next((checkpoints / n for n in names if written_later(n) and users_own(checkpoints / n)), None)
 
 
 # Keys whose change is the point of a resume (train longer) or names where it runs, not how it trains.
@@ -641,6 +667,8 @@ def open_version_dir(
         version_dir = _real(version_dir if version_dir is not None else new_version_dir(run_dir))
         lock = RunLock(version_dir)
         lock.acquire()
+        if start.version_dir is not None:
+            _refuse_if_written_since(start)
         if start.branched_from is not None:
             write_text_atomic(OmegaConf.to_yaml(lineage(start)), version_dir / LINEAGE_FILE)
         save_config(version_dir, cfg, global_step, start)
@@ -662,6 +690,20 @@ def open_version_dir(
             exc,
         ) from None
     return version_dir, lock
+
+
+def _refuse_if_written_since(start: FitStart) -> None:
+    """A :class:`RunDirectoryError` where the run ``start`` continues saved a newer checkpoint after this fit read
+    its own (another run, resumed at once, took the lock first and trained): continuing would write the older state
+    over its ``last`` and prune its files by the older position."""
+    last = _last_of(start.version_dir)
+    now = loop_of(last) if last is not None else None
+    if now is not None and now != start.loop:
+        raise RunDirectoryError(
+            f"'{last}' changed after this run read '{start.checkpoint_path}' ({position_text(start.loop)}; now "
+            f"{position_text(now)}): another run wrote '{start.version_dir}' meanwhile, and continuing would write "
+            "the older state over it. Nothing was trained or written: resume again to continue from the newest"
+        )
 
 
 def _real(version_dir: Path) -> Path:

@@ -10,6 +10,7 @@ renames the finished directory into place, so a crash mid-save leaves the previo
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -26,6 +27,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ampkit.trainer.checkpoint_io import (
+    FOREIGN,
     CheckpointError,
     _fsync_dir,
     copy_atomic,
@@ -123,8 +125,10 @@ def _shard_reader(path: Path) -> Any:
 
 
 def _make_room(path: Path, tmp: Path) -> None:
-    """Refuse a write-protected checkpoint at ``path``; make ``tmp`` afresh for the save's files."""
+    """Refuse a write-protected checkpoint at ``path``, or a file or folder of the user's; make ``tmp`` afresh for the
+    save's files."""
     refuse_protected(path)
+    refuse_users_own(path)
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
     tmp.mkdir(parents=True)
 
@@ -354,6 +358,21 @@ def write_failure(exc: BaseException) -> str | None:
     return f"{reasons} on rank {', '.join(str(rank) for rank in sorted(failed))}"
 
 
+def users_own_at(path: Path) -> bool:
+    """Whether ``path``, a name a sharded save writes (a checkpoint directory, the ``last`` or ``best`` link), holds
+    something of the user's that the save would replace: a file, or a directory holding no part of a sharded
+    checkpoint (not a link, a checkpoint, a copy of one that a tool following links made, or a save cut short)."""
+    if path.is_symlink() or not path.exists():
+        return False
+    return not path.is_dir() or not (is_sharded_checkpoint(path) or missing_sharded_parts(path))
+
+
+def refuse_users_own(path: Path) -> None:
+    """A ``FileExistsError`` naming ``path`` where it is :func:`users_own_at`."""
+    if users_own_at(path):
+        raise FileExistsError(errno.EEXIST, FOREIGN, str(path))
+
+
 def point_last_at(path: Path, alias: str = LAST) -> None:
     """Make ``alias`` (``last``, or ``best``) beside ``path`` a symlink to it, replaced atomically (rank zero).
 
@@ -361,6 +380,7 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
     whole checkpoint directory: it is set aside (as ``.<alias>.old``, which a tidy puts back after a kill) and goes
     once the link is in its place, as ``last.pt`` is replaced by the newer one."""
     link = path.parent / alias
+    refuse_users_own(link)
     tmp = path.parent / f".{alias}.tmp"
     tmp.unlink(missing_ok=True)
     os.symlink(path.name, tmp)

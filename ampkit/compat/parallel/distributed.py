@@ -62,7 +62,6 @@ import itertools
 import math
 import numbers
 import sys
-import time
 import warnings
 import weakref
 from collections import defaultdict
@@ -85,6 +84,7 @@ from ampkit.compat.parallel.flat_dist import (
     unflatten,
 )
 from ampkit.ops._switches import checked_switch
+from ampkit.trainer.distributed import let_gloo_threads_release
 
 __all__ = [  # Apex's module held its flat collectives too: scripts import flat_dist_call from here
     "DistributedDataParallel",
@@ -232,11 +232,6 @@ def _trainable_while_torch_wraps(module: torch.nn.Module) -> Iterator[None]:
                 param.requires_grad_(False)
 
 
-# How long a rank leaving a gloo group at exit lets gloo's threads take the GIL: they need microseconds of it, and
-# a loaded machine's scheduler runs a waiting thread within some tens of milliseconds.
-_GLOO_RELEASE_GRACE_S = 0.1
-
-
 @functools.cache
 def leave_the_group_at_exit() -> None:
     """Once a process: leave the default process group at exit, while Python still runs, where the program left it
@@ -263,11 +258,10 @@ def leave_the_group_at_exit() -> None:
     def leave() -> None:
         if not (dist.is_available() and dist.is_initialized()):
             return
-        if dist.get_backend() == "gloo":
-            if not uncaught:
-                with contextlib.suppress(RuntimeError):  # a peer that is gone: nothing left to wait for
-                    dist.barrier()
-            time.sleep(_GLOO_RELEASE_GRACE_S)
+        if dist.get_backend() == "gloo" and not uncaught:
+            with contextlib.suppress(RuntimeError):  # a peer that is gone: nothing left to wait for
+                dist.barrier()
+        let_gloo_threads_release()
         dist.destroy_process_group()
 
     atexit.register(leave)
