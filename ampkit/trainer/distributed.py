@@ -185,8 +185,9 @@ def _fresh_group_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
     return dist.PrefixStore(f"ampkit_group_{attempt}_{_groups_created}", store), rank, size
 
 
-# How long a rank leaving a gloo group without a barrier lets gloo's threads take the GIL: they need microseconds of
-# it, and a loaded machine's scheduler runs a waiting thread within some tens of milliseconds.
+# How long a rank leaving a gloo group lets gloo's threads take the GIL: they need microseconds of it, and a loaded
+# machine's scheduler runs a waiting thread within some tens of milliseconds. A barrier alone is not enough: it ends
+# when the collectives are done, not when the threads have let go of them (CI's two loaded cores aborted an exit).
 GLOO_RELEASE_GRACE_S = 0.1
 
 
@@ -205,13 +206,14 @@ def teardown_distributed(env: DistributedEnv, clean: bool = True, failure: BaseE
     gloo worker thread that frees the last collective's Python tensor after the interpreter began shutting down
     is ended mid-release: either aborts the process ("terminate called without an active exception") after all
     its work is done. The barrier makes ranks leave together, and releases the GIL to those threads while it
-    waits; after an exception it is skipped (a peer may be dead): this rank's own ``failure`` is left on the
-    store first, for the peers' diagnosis to name, and the rank sleeps a moment with the GIL free instead
+    waits; after an exception it is skipped (a peer may be dead), and this rank's own ``failure`` is left on the
+    store first, for the peers' diagnosis to name. Either way the rank then sleeps a moment with the GIL free
     (:func:`let_gloo_threads_release`) before the destroy joins those threads and ``gc.collect`` runs.
     """
     if env.owns_group and dist.is_initialized():
         if clean:
             dist.barrier()
+            let_gloo_threads_release()
         else:
             if env.enabled and failure is not None and not is_communication_failure(failure):
                 _leave_failure(failure, env)
