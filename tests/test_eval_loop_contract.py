@@ -1,8 +1,7 @@
 """The evaluation loop keeps the contract Lightning users know: the steps run in eval mode without autograd and hand
 the model back in train mode; validation leaves BatchNorm's statistics as training left them; a set's mean weighs
-a short last batch by its size; ``validate``/``test`` return one dict of the set's means and of what their end
-hooks logged, whose index 0 is itself (Lightning returns a list of one dict per dataloader, read as ``[0]``) and
-which a weights_only load reads back, and ``predict`` a list of per-batch outputs;
+a short last batch by its size; ``validate``/``test`` return one plain dict of the set's means and of what their end
+hooks logged (Lightning returns a list of one dict per dataloader) and ``predict`` a list of per-batch outputs;
 several validation loaders are refused naming how to combine them. (Each submodule's own mode kept, ``samples_in``,
 empty batches: test_evaluate.py.)"""
 
@@ -116,9 +115,8 @@ def test_validate_and_test_return_one_dict_of_means_and_predict_a_list_of_batch_
     trainer = Observed(toy_cfg(tmp_path, **QUIET))
     validated, tested = trainer.validate(), trainer.test()
     assert set(validated) == set(tested) == {"mse"} and validated == tested
-    assert isinstance(validated, dict) and all(type(value) is float for value in validated.values())
-    assert validated[0] is validated  # Lightning's spelling: validate()[0]["mse"]
-    torch.save(validated, tmp_path / "metrics.pt")  # pickled plain: a weights_only load reads it back
+    assert type(validated) is dict and all(type(value) is float for value in validated.values())
+    torch.save(validated, tmp_path / "metrics.pt")  # plain: a weights_only load reads it back
     assert torch.load(tmp_path / "metrics.pt", weights_only=True) == validated
     predictions = trainer.predict()
     assert [p.shape for p in predictions] == [(8, 1)] * 3  # 24 samples in batches of 8, on the CPU, detached

@@ -73,30 +73,6 @@ def test_test_and_predict_use_their_own_loaders_and_the_loaded_weights(tmp_path)
     torch.testing.assert_close(torch.load(tmp_path / "p.pt"), predictions)
 
 
-def test_validate_and_test_answer_lightning_s_list_of_one_dict_per_loader(tmp_path):
-    """Lightning returns [{...}], one dict per loader, and a ported trainer.validate()[0] was a bare KeyError: 0.
-    ampkit evaluates one loader, so index 0 (and -1) is the one dict; another index, a val/-prefixed name or a missing
-    one is an error naming what there is. torch.save keeps the result readable with weights_only=True."""
-    trainer = Evaluated(toy_cfg(tmp_path, **QUIET))
-    validated, tested = trainer.validate(), trainer.test()
-    assert validated[0] is validated[-1] is validated and validated[0]["mse"] == validated["mse"]
-    assert tested[0]["mae"] == tested["mae"] and tested[0]["test_auc"] == 0.5
-    with pytest.raises(IndexError, match=r"validate\(\)\[1\]: validate\(\) evaluates one loader and returns one dict "
-                       r"of its metrics, which validate\(\)\[0\] gives too"):  # fmt: skip
-        validated[1]
-    with pytest.raises(KeyError) as missing:
-        validated[0]["val/mse"]
-    assert str(missing.value) == (
-        "validate()['val/mse']: its metrics are named as the step returned them, without the 'val/' of their "
-        "TensorBoard tags: read validate()['mse']"
-    )
-    with pytest.raises(KeyError) as missing:
-        tested["test/auc"]
-    assert str(missing.value) == "test() returned no 'test/auc'; it returned 'mae', 'test_auc'"
-    torch.save({"val": validated}, tmp_path / "results.pt")
-    assert torch.load(tmp_path / "results.pt", weights_only=True)["val"] == validated
-
-
 class TwoValidationSets(ToyTrainer):
     """Two validation sets chained into one loader, each batch tagged with its set's name."""
 

@@ -2,7 +2,6 @@
 
 from ampkit.trainer.callback import HOOKS, Callback, Phase
 from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, load_checkpoint
-from ampkit.trainer.evaluation_results import EvaluationResults
 from ampkit.trainer.inference import load_model
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
@@ -17,7 +16,6 @@ __all__ = [
     "CallbackOrderError",
     "CheckpointError",
     "DamagedCheckpointError",
-    "EvaluationResults",
     "Logger",
     "LoopState",
     "LossState",

@@ -143,7 +143,6 @@ from ampkit.trainer.evaluation import (
     warn_of_an_empty_pass,
     warn_of_no_batches,
 )
-from ampkit.trainer.evaluation_results import EvaluationResults
 from ampkit.trainer.failure_note import loop_position_note
 from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
@@ -1867,18 +1866,17 @@ class Trainer:
 
     # ----------------------------------------------------------------- validate, test, predict
     @refuses_lightning_arguments
-    def validate(self, ckpt: str | os.PathLike | None = None) -> EvaluationResults:
+    def validate(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
         """Run ``validation_step`` over ``val_dataloader()`` once; returns the averaged metrics.
 
         ``ckpt``: ``"last"``, ``"best"`` (the newest under ``run_dir``), a path, or None for the current weights.
         Runs under the configured precision and, under ``torchrun``, each rank on its shard. Beside the means (keyed
-        as the step returned them) it returns what ``on_validation_end`` hooks logged, by tag, rank zero's values:
-        one dict, which Lightning's ``validate()[0]`` reads too.
+        as the step returned them) it returns what ``on_validation_end`` hooks logged, by tag, rank zero's values.
         """
         return self._evaluate(VALIDATE, ckpt)
 
     @refuses_lightning_arguments
-    def test(self, ckpt: str | os.PathLike | None = None) -> EvaluationResults:
+    def test(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
         """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics and what ``on_test_end``
         hooks logged (``ckpt`` and the values as in validate)."""
         return self._evaluate(TEST, ckpt)
@@ -2035,8 +2033,7 @@ class Trainer:
                     self.val_metrics = result
                 self._fire_evaluation_end(f"on_{stage.hook}_end", result)
                 logged = self.validation_end_values if stage is VALIDATE else self.test_end_values
-                logged = broadcast_object(logged, self.dist)  # rank zero's, as monitors read them
-                result = EvaluationResults(stage.name, {**result, **logged})
+                result = {**result, **broadcast_object(logged, self.dist)}  # rank zero's, as monitors read them
         except BaseException as exc:  # as in fit: callbacks undo what they started (precision's autocast)
             if self._running == stage.name:  # from a hook, the outer run fires it, once, as the error unwinds it
                 self._explain(exc)
