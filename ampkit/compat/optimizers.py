@@ -123,14 +123,14 @@ def _fused_sgd_step(base: type) -> Callable[..., Any]:
         with ``scale_set_by_backward`` to False, as Apex's step did: a scale a script recorded was ignored, and the
         step took its gradients still scaled."""
         scale = self.most_recent_scale
+        if kwargs and scale != 1.0:  # refused before the reset below: the recorded scale stays for a corrected call
+            raise ValueError(
+                f"FusedSGD.step got {sorted(kwargs)} while most_recent_scale={scale!r} says the gradients are "
+                "scaled by it: unscale them one way (set most_recent_scale to 1.0, or pass no grad_scale)"
+            )
         try:
             if scale == 1.0:
                 return _unhooked(base.step)(self, closure, **kwargs)
-            if kwargs:
-                raise ValueError(
-                    f"FusedSGD.step got {sorted(kwargs)} while most_recent_scale={scale!r} says the gradients are "
-                    "scaled by it: unscale them one way (set most_recent_scale to 1.0, or pass no grad_scale)"
-                )
             loss = None
             if closure is not None:
                 with torch.enable_grad():

@@ -239,6 +239,13 @@ def test_fused_sgd_divides_by_the_scale_recorded_in_most_recent_scale_and_resets
         reference.step()
         assert (optimizer.most_recent_scale, optimizer.scale_set_by_backward) == (1.0, False)
         torch.testing.assert_close(param, twin)
-    optimizer.most_recent_scale = 8.0
+    optimizer.most_recent_scale, optimizer.scale_set_by_backward = 8.0, True
     with pytest.raises(ValueError, match=r"grad_scale.*most_recent_scale=8\.0"):
         optimizer.step(grad_scale=torch.ones(1))
+    # the refused call stepped nothing and kept the record: the corrected call divides by it
+    assert (optimizer.most_recent_scale, optimizer.scale_set_by_backward) == (8.0, True)
+    grad = torch.randn(5)
+    param.grad, twin.grad = grad * 8.0, grad.clone()
+    optimizer.step()
+    reference.step()
+    torch.testing.assert_close(param, twin)
