@@ -58,6 +58,47 @@ def test_larc_scales_each_gradient_by_its_trust_ratio(clip, dtype, scale):
     assert optimizer.param_groups[0]["weight_decay"] == wd  # restored after the step
 
 
+class _CountedGroup(dict):
+    """A param group that counts LARC's (and the wrapped optimizer's) reads of its ``lr``."""
+
+    lr_reads = 0
+
+    def __getitem__(self, key):
+        if key == "lr":
+            self.lr_reads += 1
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_larc_reads_a_groups_lr_once_a_step_with_the_same_numbers(clip):
+    """LARC read group["lr"] once per parameter; it reads it once a group a step now, a 0-dim tensor lr too, and each
+    gradient is still the float64 formula's: trust * |w| / (|g| + wd * |w| + eps), clipped by the group's lr."""
+    trust, eps, wd = 0.02, 1e-8, 1e-2
+    reads = []
+    for count in (2, 6):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn(4, 3) * (1e-3 if len(reads) else 1.0)
+        groups = [{"params": params[:1], "lr": 0.1}, {"params": params[1:], "lr": torch.tensor(0.03)}]
+        larc = LARC(torch.optim.SGD(groups, lr=0.1, weight_decay=wd), trust_coefficient=trust, eps=eps, clip=clip)
+        larc.optim.param_groups = [_CountedGroup(group) for group in larc.optim.param_groups]
+        expected = []
+        for group in larc.param_groups:
+            lr = float(group["lr"])
+            for p in group["params"]:
+                w, g = p.detach().double(), p.grad.double()
+                local = trust * w.norm() / (g.norm() + wd * w.norm() + eps)
+                local = min(local / lr, 1.0) if clip else local
+                expected.append(w - lr * local * (g + wd * w))
+        before = [group.lr_reads for group in larc.param_groups]
+        larc.step()
+        reads.append([group.lr_reads - start for group, start in zip(larc.param_groups, before, strict=True)])
+        for p, want in zip(params, expected, strict=True):
+            torch.testing.assert_close(p.detach().double(), want, atol=0, rtol=1e-6)
+    assert reads[0] == reads[1]  # the same reads of the group of 1 and of 5 parameters as of those of 1 and 1
+
+
 def test_larc_clipping_never_raises_a_layer_s_rate_above_the_group_s():
     """With clip=True the local rate is min(trust ratio / lr, 1): a layer whose ratio exceeds lr steps at lr, as the
     plain optimizer would; without clipping (LARS) the same ratio scales the step up."""

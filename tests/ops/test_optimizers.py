@@ -439,6 +439,50 @@ def test_torch_adams_decoupled_weight_decay_keyword_is_taken_where_it_agrees_wit
         FusedAdam(make_params(torch.float32), decoupled_weight_decay="yes")
 
 
+ALL_FUSED = [
+    FusedAdadelta,
+    FusedAdagrad,
+    FusedAdam,
+    FusedAdamP,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedRMSprop,
+    FusedRMSpropTF,
+    FusedSGD,
+]
+
+
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda cls: cls.__name__)
+def test_torch_optims_implementation_keywords_are_taken_where_they_agree_and_refused_by_name(cls):
+    """torch.optim's foreach=/fused=/differentiable=/capturable= were Python's bare 'unexpected keyword argument': the
+    values that say what the fused step does are taken (and stored nowhere), the others refused naming the value."""
+    lr = {"lr": 0.1} if cls is FusedSGD else {}
+    torch.manual_seed(0)
+    plain, ported = make_params(torch.float32), make_params(torch.float32)
+    for a, b in zip(plain, ported, strict=True):
+        b.data.copy_(a)
+        a.grad = b.grad = torch.randn_like(a)
+    agreeing = {"foreach": None, "fused": True, "differentiable": False}
+    if cls is not FusedAdam:  # FusedAdam's capturable is Apex's own switch, taken either way
+        agreeing["capturable"] = False
+    optimizers = [cls(plain, **lr), cls(ported, **lr, **agreeing)]
+    for optimizer in optimizers:
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(plain, ported, strict=True))
+    assert optimizers[0].state_dict()["param_groups"] == optimizers[1].state_dict()["param_groups"]
+    assert not set(agreeing) & (set(optimizers[1].defaults) - {"capturable"})
+    refused = {"foreach": [True, False], "fused": [False], "differentiable": [True]}
+    if cls is not FusedAdam:
+        refused["capturable"] = [True]
+    for keyword, values in refused.items():
+        for value in values:
+            with pytest.raises(ValueError, match=rf"^{cls.__name__}: {keyword}={value} asks for .*; leave it out"):
+                cls(make_params(torch.float32), **lr, **{keyword: value})
+    with pytest.raises(TypeError, match=r"invalid fused: 'yes' is a str \(expected None or True"):
+        cls(make_params(torch.float32), **lr, fused="yes")
+
+
 # ----------------------------------------------------------------- GradScaler contract, zero_grad
 
 

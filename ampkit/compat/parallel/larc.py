@@ -11,7 +11,7 @@ import torch
 
 from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._switches import checked_switch
-from ampkit.ops.optimizers._base import check_group_at_step
+from ampkit.ops.optimizers._base import check_group_at_step, host_numbers
 
 
 class LARC:
@@ -90,8 +90,9 @@ class LARC:
         with torch.no_grad():
             saved_weight_decays = []
             for group in self.optim.param_groups:
-                weight_decay = group.get("weight_decay", 0.0)
-                saved_weight_decays.append(weight_decay)
+                saved_weight_decays.append(group.get("weight_decay", 0.0))
+                # Read once a group, as host numbers (a tensor's in one transfer), where lr was read per parameter.
+                weight_decay, lr = host_numbers([saved_weight_decays[-1], group["lr"] if self.clip else 1.0])
                 group["weight_decay"] = 0
                 for p in group["params"]:
                     if p.grad is None:
@@ -105,7 +106,7 @@ class LARC:
                         self.trust_coefficient * param_norm / (grad_norm + param_norm * weight_decay + self.eps)
                     )
                     if self.clip:
-                        adaptive_lr = torch.clamp(adaptive_lr / group["lr"], max=1.0)
+                        adaptive_lr = torch.clamp(adaptive_lr / lr, max=1.0)
                     p.grad.add_(p, alpha=weight_decay)
                     p.grad.mul_(adaptive_lr.to(p.grad.dtype))
         try:

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ampkit.ops.optimizers._base import NO_SCALER, Bucket, FusedOptimizer, ScalerTensors, acc_dtype, check_hyper
 from ampkit.ops.optimizers._kernels import op
+from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 
 
 class FusedAdadelta(FusedOptimizer):
@@ -34,7 +35,14 @@ class FusedAdadelta(FusedOptimizer):
         set_grad_none: bool = True,
         *,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
     ) -> None:
+        check_torch_keywords(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         check_hyper("lr", lr)
         check_hyper("rho", rho, 0.0, 1.0 + 1e-12)
         check_hyper("eps", eps)

@@ -21,6 +21,7 @@ from ampkit.ops.optimizers._base import (
     torch_step_counts,
 )
 from ampkit.ops.optimizers._kernels import op
+from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 
 
 class FusedAdagrad(FusedOptimizer):
@@ -58,7 +59,14 @@ class FusedAdagrad(FusedOptimizer):
         maximize: bool = False,
         master_weights: bool = False,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
     ) -> None:
+        check_torch_keywords(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         check_flag("adagrad_w_mode", adagrad_w_mode)  # a truthy "False" decoupled the weight decay
         if adagrad_w_mode and lr_decay != 0:
             raise ValueError(

@@ -21,6 +21,7 @@ from ampkit.ops.optimizers._base import (
     torch_step_counts,
 )
 from ampkit.ops.optimizers._kernels import op
+from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 
 
 class FusedAdam(FusedOptimizer):
@@ -69,8 +70,12 @@ class FusedAdam(FusedOptimizer):
         *,
         maximize: bool = False,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
         decoupled_weight_decay: bool | None = None,
     ) -> None:
+        check_torch_keywords(type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable)
         if decoupled_weight_decay is not None:  # torch.optim.Adam's switch: taken where it says what adam_w_mode does
             check_flag("decoupled_weight_decay", decoupled_weight_decay)
             _refuse_other_decay("FusedAdam is given", decoupled_weight_decay, adam_w_mode)

@@ -19,6 +19,7 @@ from torch import Tensor
 from ampkit.ops._layout import rows_are_blocks
 from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_betas, check_hyper
 from ampkit.ops.optimizers._kernels import op
+from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 from ampkit.ops.reference import optimizers as reference
 
 
@@ -46,8 +47,15 @@ class FusedAdamP(FusedOptimizer):
         set_grad_none: bool = True,
         *,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
         maximize: bool = False,
     ) -> None:
+        check_torch_keywords(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         check_hyper("lr", lr)
         check_hyper("eps", eps)
         betas = check_betas(betas)

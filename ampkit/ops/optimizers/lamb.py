@@ -25,6 +25,7 @@ from ampkit.ops.optimizers._base import (
     eager_under_compile,
 )
 from ampkit.ops.optimizers._kernels import op
+from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 
 
 class FusedLAMB(FusedOptimizer):
@@ -59,8 +60,15 @@ class FusedLAMB(FusedOptimizer):
         *,
         master_weights: bool = False,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
         maximize: bool = False,
     ) -> None:
+        check_torch_keywords(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         check_flag("amsgrad", amsgrad)  # before it is read: "False" was refused as amsgrad=True
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
@@ -227,8 +235,15 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         *,
         set_grad_none: bool = True,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
         maximize: bool = False,
     ) -> None:
+        check_torch_keywords(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: expected the integer step count to start from (>= 0)")
         self._initial_step = step  # also where a per-group count starts (see FusedOptimizer._steps_per_group)

@@ -23,6 +23,7 @@ from ampkit.ops.optimizers._base import (
     eager_under_compile,
 )
 from ampkit.ops.optimizers._kernels import op
+from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 
 _UNSET = -1.0  # exp_avg_sq before a parameter's first step (norms are >= 0)
 
@@ -60,8 +61,15 @@ class FusedNovoGrad(FusedOptimizer):
         *,
         master_weights: bool = False,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
         maximize: bool = False,
     ) -> None:
+        check_torch_keywords(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         check_flag("amsgrad", amsgrad)  # before it is read: "False" was refused as amsgrad=True
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True).")

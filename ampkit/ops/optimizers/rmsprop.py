@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ampkit.ops.optimizers._base import NO_SCALER, Bucket, FusedOptimizer, ScalerTensors, acc_dtype, check_hyper
 from ampkit.ops.optimizers._kernels import op
+from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 
 
 class _RMSpropFamily(FusedOptimizer):
@@ -95,7 +96,14 @@ class FusedRMSprop(_RMSpropFamily):
         set_grad_none: bool = True,
         *,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
     ) -> None:
+        check_torch_keywords(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         hyper = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
         options = dict(centered=centered, maximize=maximize)
         self._setup(params, hyper, options, master_weights, set_grad_none, backend)
@@ -130,7 +138,14 @@ class FusedRMSpropTF(_RMSpropFamily):
         set_grad_none: bool = True,
         *,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
     ) -> None:
+        check_torch_keywords(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         hyper = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
         options = dict(
             centered=centered, decoupled_decay=decoupled_decay, lr_in_momentum=lr_in_momentum, maximize=maximize

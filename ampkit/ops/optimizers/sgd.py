@@ -21,6 +21,7 @@ from ampkit.ops.optimizers._base import (
     decay_weights_,
 )
 from ampkit.ops.optimizers._kernels import op
+from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 
 
 class _PendingFirstStep:
@@ -105,7 +106,14 @@ class FusedSGD(FusedOptimizer):
         master_weights: bool = False,
         fp32_momentum: bool = False,
         backend: str | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
     ) -> None:
+        check_torch_keywords(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         check_flag("wd_after_momentum", wd_after_momentum)  # a truthy "False" switched the decay's order
         check_flag("materialize_master_grads", materialize_master_grads)
         if lr is not required:  # Apex's default, which wrappers pass on: then every param group names its own lr
