@@ -14,6 +14,19 @@ from ampkit.ops.optimizers import (
     FusedSGD,
 )
 
+# Every fused optimizer class, for checks of what each one's constructor takes
+ALL_FUSED = [
+    FusedAdadelta,
+    FusedAdagrad,
+    FusedAdam,
+    FusedAdamP,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedRMSprop,
+    FusedRMSpropTF,
+    FusedSGD,
+]
 OPTIMIZERS = {
     "adamw": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, **kw),
     "adam_l2": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, adam_w_mode=False, **kw),

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from fused_optimizer_cases import ALL_FUSED
 
 from ampkit.ops.optimizers import (
     FusedAdadelta,
@@ -437,20 +438,6 @@ def test_torch_adams_decoupled_weight_decay_keyword_is_taken_where_it_agrees_wit
         FusedAdam(make_params(torch.float32), adam_w_mode=not decoupled, decoupled_weight_decay=decoupled)
     with pytest.raises(TypeError, match=r"Invalid decoupled_weight_decay: 'yes' is a str"):
         FusedAdam(make_params(torch.float32), decoupled_weight_decay="yes")
-
-
-ALL_FUSED = [
-    FusedAdadelta,
-    FusedAdagrad,
-    FusedAdam,
-    FusedAdamP,
-    FusedLAMB,
-    FusedMixedPrecisionLamb,
-    FusedNovoGrad,
-    FusedRMSprop,
-    FusedRMSpropTF,
-    FusedSGD,
-]
 
 
 @pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda cls: cls.__name__)
