@@ -28,7 +28,7 @@ class ApexLossScaler(EngineLossScaler):
         super().__init__(*args, **kwargs)
         # Apex's overflow flag, written by amp_C kernels (``multi_tensor_scale(..., scaler._overflow_buf, ...)``)
         # and read by update_scale; legacy code may put its own buffer here.
-        self._overflow_buf = torch.zeros(1, dtype=torch.int32)
+        self._overflow_buf = self._own_overflow_buf = torch.zeros(1, dtype=torch.int32)
 
     @property
     def _loss_scale(self) -> float:
@@ -90,6 +90,16 @@ class ApexLossScaler(EngineLossScaler):
         found_inf = overflow_verdict(found_inf)
         self.last_found_inf = found_inf and self.dynamic
         return super().update(found_inf)
+
+    def flag_overflow(self, found_inf: torch.Tensor) -> None:
+        """Raise ``_overflow_buf`` where ``found_inf`` (amp's unscale's flag) is non-zero, on the device, where Apex's
+        kernels left it: nothing is read to the host, so a static scale, whose update_scale never reads it, costs no
+        sync (a dynamic one reads it there, once a backward, as Apex did)."""
+        buf = self._overflow_buf
+        if buf is self._own_overflow_buf and buf.device != found_inf.device:
+            # amp's own flag follows the gradients, as Apex's lived on the GPU: moved once, not read across each step
+            buf = self._overflow_buf = self._own_overflow_buf = buf.to(found_inf.device)
+        buf.masked_fill_((found_inf.reshape(-1)[:1] != 0).to(buf.device), 1)
 
     def clear_overflow_state(self) -> None:
         """Forget the last overflow and zero the overflow buffer (Apex calls it before each unscale)."""
