@@ -294,3 +294,18 @@ def test_a_static_scale_reads_no_overflow_flag_to_the_host_and_a_dynamic_one_rea
     monkeypatch.undo()
     assert scaler._overflow_buf.item() == 1  # the last step's inf
     assert scaler.loss_scale() == (2.0**15 if loss_scale == "dynamic" else 128.0)
+
+
+def test_a_delayed_overflow_check_leaves_the_overflow_in_the_buffer_for_the_script_to_read():
+    """With ``delay_overflow_check=True`` the scale neither moves nor skips, but the backward's inf is in
+    ``_overflow_buf``, where Apex's unscale left it for a script that calls ``update_scale()`` itself."""
+    m0, m1 = _models()
+    opt0, _ = _optimizers(m0, m1)
+    m0, opt0 = amp.initialize(m0, opt0, opt_level="O1", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    out = m0(_batch(0))
+    _inject_inf(out)
+    with amp.scale_loss(out.float().sum(), opt0, delay_overflow_check=True) as scaled:
+        scaled.backward()
+    assert scaler.loss_scale() == 2.0**16 and scaler._overflow_buf.item() == 1
+    assert scaler.update_scale() and scaler.loss_scale() == 2.0**15
