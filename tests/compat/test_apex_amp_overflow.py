@@ -237,3 +237,75 @@ def test_delay_unscale_accumulates_exactly_and_checks_at_the_last_backward(level
     with amp.scale_loss(m0(batches[1]).float().sum(), opt0) as scaled:
         scaled.backward()
     assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**15
+
+
+class _HostReads:
+    """Counts the reads of a tensor's value to the host (each one a device sync on a GPU)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+            monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
+
+    def _counted(self, read):
+        def counted(tensor, *args):
+            self.count += 1
+            return read(tensor, *args)
+
+        return counted
+
+
+@pytest.mark.parametrize(
+    ("api", "level", "loss_scale", "reads_per_step"),
+    [
+        ("scale_loss", "O1", 128.0, 0),
+        ("scale_loss", "O2", 128.0, 0),
+        ("scale_loss", "O3", "128.0", 0),
+        ("handle", "O1", 128.0, 0),
+        ("scale_loss", "O1", "dynamic", 1),
+        ("handle", "O1", "dynamic", 1),
+    ],
+)
+def test_a_static_scale_reads_no_overflow_flag_to_the_host_and_a_dynamic_one_reads_one_a_step(
+    monkeypatch, api, level, loss_scale, reads_per_step
+):
+    """A static scale never skips, so its overflow flags stay on the device: no host read (a GPU sync) per step, as
+    Apex's update_scale read ``_overflow_buf`` only for a dynamic scaler; a dynamic scale reads it once a step.
+    ``_overflow_buf`` still shows an inf of a static step's gradients, where Apex's unscale left it."""
+    model = half_exact_linear(4, 2, seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    if api == "handle":
+        handle = amp.init(loss_scale=loss_scale)
+        scale_loss, scaler = handle.scale_loss, handle._default_scaler
+    else:
+        model, optimizer = amp.initialize(model, optimizer, opt_level=level, loss_scale=loss_scale, verbosity=0)
+        scale_loss, scaler = amp.scale_loss, amp._amp_state.loss_scalers[0]
+    dtype = next(model.parameters()).dtype
+    reads = _HostReads(monkeypatch)
+    for it in range(3):
+        out = model(_batch(it).to(dtype))
+        if it == 2:
+            _inject_inf(out)
+        with scale_loss(out.float().pow(2).mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert reads.count == 3 * reads_per_step
+    monkeypatch.undo()
+    assert scaler._overflow_buf.item() == 1  # the last step's inf
+    assert scaler.loss_scale() == (2.0**15 if loss_scale == "dynamic" else 128.0)
+
+
+def test_a_delayed_overflow_check_leaves_the_overflow_in_the_buffer_for_the_script_to_read():
+    """With ``delay_overflow_check=True`` the scale neither moves nor skips, but the backward's inf is in
+    ``_overflow_buf``, where Apex's unscale left it for a script that calls ``update_scale()`` itself."""
+    m0, m1 = _models()
+    opt0, _ = _optimizers(m0, m1)
+    m0, opt0 = amp.initialize(m0, opt0, opt_level="O1", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    out = m0(_batch(0))
+    _inject_inf(out)
+    with amp.scale_loss(out.float().sum(), opt0, delay_overflow_check=True) as scaled:
+        scaled.backward()
+    assert scaler.loss_scale() == 2.0**16 and scaler._overflow_buf.item() == 1
+    assert scaler.update_scale() and scaler.loss_scale() == 2.0**15

@@ -108,3 +108,135 @@ def test_unscale_then_update_scale(loss_scale):
     assert scaler.loss_scale() == (scale / 2 if loss_scale == "dynamic" else scale)
     scaler.clear_overflow_state()
     assert scaler._overflow_buf.item() == 0 and not scaler._has_overflow
+
+
+def _apex_update_scale(scale: float, unskipped: int, overflow: bool, window: int, floor: float, cap: float):
+    """Apex's ``update_scale`` rule for a dynamic scaler, in float64: (new scale, new count, skip)."""
+    if overflow:
+        return max(floor, scale / 2.0) if floor else scale / 2.0, 0, True
+    unskipped += 1
+    if unskipped == window:
+        return min(cap, scale * 2.0), 0, False
+    return scale, unskipped, False
+
+
+def test_loss_scaler_takes_apexs_positional_constructor_and_follows_apexs_update_rule():
+    """``LossScaler(loss_scale, init_scale, scale_factor, scale_window, min_loss_scale, max_loss_scale)`` by position,
+    as code copied from Apex builds it: the scale follows Apex's rule step for step (the engine's keywords only were
+    taken, and the second positional argument was a TypeError)."""
+    from ampkit.compat.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", 8.0, 2.0, 3, 2.0, 32.0)
+    assert (scaler.dynamic, scaler._scale_seq_len, scaler._min_loss_scale, scaler._max_loss_scale) == (True, 3, 2, 32)
+    scale, unskipped = 8.0, 0
+    for overflow in [True] * 3 + [False] * 14 + [True]:
+        scale, unskipped, skip = _apex_update_scale(scale, unskipped, overflow, 3, 2.0, 32.0)
+        scaler.clear_overflow_state()
+        scaler._has_overflow = overflow
+        assert scaler.update_scale() is skip
+        assert (scaler.loss_scale(), scaler._unskipped) == (scale, unskipped)
+    assert scale == 16.0  # the floor, the cap and a back-off from it were all reached
+    assert LossScaler("dynamic", 2.0**30).loss_scale() == 2.0**24  # Apex: min(max_loss_scale, init_scale)
+    assert LossScaler(128.0).loss_scale() == 128.0 and not LossScaler(128.0).dynamic
+    assert LossScaler("dynamic", min_loss_scale=0)._min_loss_scale is None  # Apex: a falsy floor is none
+    with pytest.raises(ValueError, match=r"scale_window=0: expected an integer >= 1"):
+        LossScaler("dynamic", 2.0**16, 2.0, 0)
+    with pytest.warns(UserWarning, match=r"scale_factor=4.0 is ignored, as Apex ignored it"):
+        quartering = LossScaler("dynamic", 64.0, 4.0)
+    quartering._has_overflow = True
+    quartering.update_scale()
+    assert quartering.loss_scale() == 32.0  # halved, as Apex did whatever scale_factor said
+
+
+def _assert_float64(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """``actual`` is ``expected`` (computed in float64) rounded to ``actual``'s dtype, within two roundings."""
+    eps = torch.finfo(actual.dtype).eps
+    torch.testing.assert_close(actual.double(), expected, rtol=2 * eps, atol=0)
+
+
+def test_unscale_with_scale_override_divides_by_it():
+    """``unscale(..., scale_override=s)`` divides by ``s`` instead of the loss scale (Apex's FusedSGD path), a unit
+    override of a static scaler's masters is left alone (as Apex), and a scale of 0 is refused naming it."""
+    from ampkit.compat.amp.scaler import LossScaler
+
+    scaler = LossScaler(3.0)
+    model = [torch.randn(5).half(), torch.randn(3, 4).half()]
+    master = [torch.empty(5), torch.empty(3, 4)]
+    scaler.unscale(model, master, None, scale_override=6.0)
+    for out, grad in zip(master, model, strict=True):
+        _assert_float64(out, grad.double() / 6.0)
+    assert scaler._overflow_buf.item() == 0
+    grads = [torch.randn(4)]
+    before = grads[0].clone()
+    scaler.unscale(grads, grads, None, models_are_masters=True, scale_override=1.0)
+    assert torch.equal(grads[0], before)
+    with pytest.raises(ValueError, match=r"scale_override=0(\.0)?: expected a finite number > 0"):
+        scaler.unscale(grads, grads, None, scale_override=0)
+
+
+@pytest.mark.parametrize("override", [None, (6.0, 3.0, 2.0)])
+def test_unscale_with_stashed_is_apexs_axpby_and_checks_only_the_new_gradients(override):
+    """``master = model * out/grads_have + stashed * out/stashed_have`` (default: the loss scale, 1, 1), against
+    float64; an inf among the stashed gradients is not this backward's overflow, one among the new ones is."""
+    from ampkit.compat.amp.scaler import LossScaler
+
+    scaler = LossScaler(5.0)
+    grads_have, stashed_have, out = override or (5.0, 1.0, 1.0)
+    model = [torch.randn(7).half(), torch.randn(2, 3).half()]
+    stashed = [torch.randn(7), torch.randn(2, 3)]
+    expected = [
+        m.double() * (out / grads_have) + s.double() * (out / stashed_have) for m, s in zip(model, stashed, strict=True)
+    ]
+    scaler.unscale_with_stashed(model, stashed, stashed, override)  # in place, as Apex's O2 called it
+    for got, want in zip(stashed, expected, strict=True):
+        _assert_float64(got, want)
+    assert scaler._overflow_buf.item() == 0
+    stashed[0][0] = float("inf")
+    scaler.unscale_with_stashed(model, stashed, [torch.empty(7), torch.empty(2, 3)], override)
+    assert scaler._overflow_buf.item() == 0
+    model[1][0, 0] = float("nan")
+    scaler.unscale_with_stashed(model, stashed, [torch.empty(7), torch.empty(2, 3)], override)
+    assert scaler._overflow_buf.item() == 1
+    with pytest.raises(ValueError, match=r"scale_override=\(1.0, 2.0\): expected None or three scales"):
+        scaler.unscale_with_stashed(model, stashed, stashed, (1.0, 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_post_backward_models_are_masters_takes_apexs_fused_sgd_scale_override(dtype):
+    """Apex's FusedSGD post-backward calls ``post_backward_models_are_masters(scaler, params, stash,
+    (grads_have_scale, stashed_have_scale, out_scale))``: every gradient is left at ``out_scale`` (the new ones, those
+    added to a stash, and a stash handed back), against float64; the stash is emptied. The 4th argument was a
+    TypeError."""
+    from ampkit.compat.amp._process_optimizer import post_backward_models_are_masters
+    from ampkit.compat.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=2.0**10)
+    grads_have, stashed_have, out = 2.0**10, 3.0, 96.0
+    params = [torch.zeros(4, dtype=dtype, requires_grad=True) for _ in range(4)]
+    new = [torch.randn(4).to(dtype) * 100 for _ in range(2)]
+    stash = [torch.randn(4).to(dtype) for _ in range(2)]
+    params[0].grad, params[1].grad = new[0].clone(), new[1].clone()
+    stashed_grads = [None, stash[0].clone(), stash[1].clone(), None]  # new only, new + stash, stash only, nothing
+    expected = [
+        new[0].double() * out / grads_have,
+        new[1].double() * out / grads_have + stash[0].double() * out / stashed_have,
+        stash[1].double() * out / stashed_have,
+    ]
+    post_backward_models_are_masters(scaler, params, stashed_grads, (grads_have, stashed_have, out))
+    for param, want in zip(params[:3], expected, strict=True):
+        _assert_float64(param.grad, want)
+    assert params[3].grad is None and stashed_grads == [None] * 4
+    assert scaler._overflow_buf.item() == 0
+
+
+def test_post_backward_models_are_masters_at_a_static_unit_scale_keeps_the_stash():
+    """At a static scale of 1 the new gradients are left as they are and the stash is added back (Apex returned
+    early and dropped it: an O2 accumulation of float32 parameters lost all but the last backward)."""
+    from ampkit.compat.amp._process_optimizer import post_backward_models_are_masters
+    from ampkit.compat.amp.scaler import LossScaler
+
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    params[0].grad = torch.tensor([1.0, 2.0, 3.0])
+    stashed = [torch.tensor([0.5, 0.5, 0.5]), torch.tensor([4.0, 5.0, 6.0])]
+    post_backward_models_are_masters(LossScaler(1.0), params, stashed)
+    assert params[0].grad.tolist() == [1.5, 2.5, 3.5] and params[1].grad.tolist() == [4.0, 5.0, 6.0]

@@ -47,7 +47,8 @@ def test_dynamic_defaults_are_amp_loss_scaler():
         optimizer.update_master_grads()
     assert optimizer.loss_scale == 2.0**24  # max_loss_scale
     model = _model()
-    optimizer = _dynamic(model, init_scale=1.0, scale_factor=4.0)  # scale_factor: accepted, ignored
+    with pytest.warns(UserWarning, match=r"dynamic_loss_args\['scale_factor'\]=4.0 is ignored, as Apex ignored it"):
+        optimizer = _dynamic(model, init_scale=1.0, scale_factor=4.0)  # scale_factor: accepted, ignored
     optimizer.backward(_loss(model, float("inf")))
     assert optimizer.overflow and optimizer.loss_scale == 0.5  # halves, and no floor (the old one was 1)
 

@@ -491,9 +491,7 @@ class AmpOptimizerStash:
             stash.prepare_backward()
 
         def post_amp_backward(self: Any, loss_scaler: Any) -> None:
-            found_inf = stash.combine(loss_scaler).found_inf  # read by loss_scaler.update_scale()
-            overflow_buf = loss_scaler._overflow_buf
-            overflow_buf.masked_fill_((found_inf.reshape(-1)[:1] != 0).to(overflow_buf.device), 1)
+            loss_scaler.flag_overflow(stash.combine(loss_scaler).found_inf)  # read by loss_scaler.update_scale()
 
         def amp_lazy_init(self: Any) -> None:
             stash.own_lazy_init(stash._lazy_take_over)

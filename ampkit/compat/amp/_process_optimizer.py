@@ -10,38 +10,46 @@ from typing import Any
 
 import torch
 
+from ampkit.compat.amp.scaler import stashed_scales
 from ampkit.compat.missing_name import missing_name
 
 __all__ = ["post_backward_models_are_masters"]
 
 
 def post_backward_models_are_masters(
-    scaler: Any, params: list[torch.Tensor], stashed_grads: list[torch.Tensor | None]
+    scaler: Any,
+    params: list[torch.Tensor],
+    stashed_grads: list[torch.Tensor | None],
+    scale_override: tuple[float, float, float] | None = None,
 ) -> None:
-    """Unscale each parameter's new gradient in place by ``scaler`` (inf/nan raises its ``_overflow_buf``) and add
-    its entry of ``stashed_grads`` (the gradient from before the backward); a parameter the backward did not reach
-    gets its stashed gradient back. The stash is emptied (each entry set to None), as in Apex."""
+    """Unscale each parameter's new gradient in place by ``scaler`` (inf/nan raises its ``_overflow_buf``) onto its
+    entry of ``stashed_grads`` (the gradient from before the backward); a parameter the backward did not reach gets
+    its stashed gradient back. ``scale_override`` = ``(grads_have_scale, stashed_have_scale, out_scale)``, as Apex's
+    FusedSGD post-backward passes it, leaves every gradient at ``out_scale`` (default: the loss scale, 1, 1). The
+    stash is emptied (each entry set to None), as in Apex."""
     if len(stashed_grads) != len(params):
         raise ValueError(
             f"post_backward_models_are_masters got {len(params)} params but {len(stashed_grads)} stashed gradients; "
             "pass one stash entry (a tensor or None) per parameter"
         )
+    grads_have, stashed_have, out = stashed_scales(scale_override, scaler.loss_scale())
     new, with_stash, stashes = [], [], []
     for param, stashed in zip(params, stashed_grads, strict=True):
         if param.grad is None:
             if stashed is not None:
+                if stashed_have != out:  # at the scale the others are left at (Apex handed it back as it was)
+                    with torch.no_grad():
+                        stashed.mul_(out / stashed_have)
                 param.grad = stashed
         elif stashed is None:
             new.append(param.grad)
         else:
             with_stash.append(param.grad)
             stashes.append(stashed)
-    grads = new + with_stash
-    if grads:
-        scaler.unscale(grads, grads, scaler.loss_scale(), models_are_masters=True)
-    if with_stash:
-        with torch.no_grad():
-            torch._foreach_add_(with_stash, stashes)
+    if new:
+        scaler.unscale(new, new, None, models_are_masters=True, scale_override=grads_have / out)
+    if with_stash:  # not dropped at a static scale of 1, as Apex's early return dropped them
+        scaler.unscale_with_stashed(with_stash, stashes, with_stash, scale_override=(grads_have, stashed_have, out))
     stashed_grads[:] = [None] * len(stashed_grads)
 
 

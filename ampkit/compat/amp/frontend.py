@@ -305,9 +305,9 @@ def initialize(
             init_scale=dynamic_init_scale,
             growth_factor=scale_growth_factor,
             backoff_factor=scale_backoff_factor,
-            growth_interval=scale_window,
-            min_scale=min_loss_scale or None,  # Apex: a falsy floor (None or 0) is no floor
-            max_scale=max_loss_scale,
+            scale_window=scale_window,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
             option_names=_SCALER_OPTION_NAMES,
         )
         for _ in range(num_losses)

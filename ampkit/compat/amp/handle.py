@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from ampkit.amp import GradientCombiner
-from ampkit.amp.grad_combine import read_flags
 from ampkit.amp.scaler import loss_count_option
 from ampkit.compat.amp import _ddp_no_sync, functions, o1_casts
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
@@ -146,13 +145,13 @@ def scale_loss(
     scaler.clear_overflow_state()
     with _casts_disabled(), _none_left_pending(stashes, unscaling=True):  # no O1 casts in amp's own maths
         flags = [stash.after_backward(scaler) for stash in stashes]
-    if not delay_overflow_check:
-        if any(read_flags([flag for flag in flags if flag is not None])):
-            scaler._overflow_buf.fill_(1)  # where Apex's unscale left an overflow: a replaced post's verdict is there
-        # through the attribute, as Apex: a script's replacement (one agreeing the overflow across ranks) decides
-        if scaler.update_scale():
-            for stash in stashes:
-                stash.schedule_skip(loss_id, scaler)
+    for flag in flags:  # None: a replaced post left its verdict in _overflow_buf itself
+        if flag is not None:
+            scaler.flag_overflow(flag)  # on the device, as Apex's unscale: only a dynamic update_scale reads it
+    # through the attribute, as Apex: a script's replacement (one agreeing the overflow across ranks) decides
+    if not delay_overflow_check and scaler.update_scale():
+        for stash in stashes:
+            stash.schedule_skip(loss_id, scaler)
     _clear_cast_cache()
 
 
@@ -346,9 +345,8 @@ def _unscale(handle: AmpHandle | NoOpHandle, scaling: _LossScaling) -> bool:
     with handle._disable_casts():
         flag = scaling.combiner.combine(scaling.scaler).found_inf
     scaling.scaler.clear_overflow_state()
-    found_inf = read_flags([flag])[0]
-    scaling.scaler.update(found_inf)
-    return found_inf and scaling.scaler.dynamic
+    scaling.scaler.flag_overflow(flag)
+    return scaling.scaler.update_scale()  # as Apex's handle: read only by a dynamic scaler
 
 
 class NoOpHandle:

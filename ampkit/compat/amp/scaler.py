@@ -7,12 +7,41 @@ state here, so a write changes the scale the next ``scale_loss`` uses.
 
 from __future__ import annotations
 
+import numbers
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ampkit.amp import LossScaler as EngineLossScaler
-from ampkit.amp.scaler import float32_scale, overflow_verdict
+from ampkit.amp.scaler import float32_scale, overflow_verdict, positive_option
+from ampkit.compat import amp_c
+from ampkit.ops import multi_tensor
+
+# Apex's names for the engine scaler's options, which errors name
+_APEX_OPTION_NAMES = {"growth_interval": "scale_window", "min_scale": "min_loss_scale", "max_scale": "max_loss_scale"}
+# what Apex's multi_tensor_applier passed amp_C (the ops here do not depend on it)
+_CHUNK_SIZE = 2048 * 32
+
+
+def stashed_scales(scale_override: Sequence[Any] | None, loss_scale: float) -> tuple[float, float, float]:
+    """Apex's ``scale_override`` of a stashed unscale, ``(grads_have_scale, stashed_have_scale, out_scale)``, as three
+    finite numbers > 0 (``None``: ``(loss_scale, 1, 1)``); else a ValueError naming it (Apex's unpacking failed with
+    Python's own words, and a scale of 0 divided by zero)."""
+    if scale_override is None:
+        return loss_scale, 1.0, 1.0
+    if isinstance(scale_override, torch.Tensor) or not isinstance(scale_override, Sequence) or len(scale_override) != 3:
+        raise ValueError(
+            f"scale_override={scale_override!r}: expected None or three scales (grads_have_scale, stashed_have_scale, "
+            "out_scale): those the new and the stashed gradients carry, and the one to leave them at"
+        )
+    names = ("grads_have_scale", "stashed_have_scale", "out_scale")
+    grads_have, stashed_have, out = (
+        positive_option(value, f"scale_override[{i}] ({name})")
+        for i, (value, name) in enumerate(zip(scale_override, names, strict=True))
+    )
+    return grads_have, stashed_have, out
 
 
 class ApexLossScaler(EngineLossScaler):
@@ -23,12 +52,50 @@ class ApexLossScaler(EngineLossScaler):
     # Apex's class flag: with amp_C, unscale leaves the overflow in ``_overflow_buf`` for update_scale to read (so
     # do amp's unscales here); replacements of update_scale copied from Apex test it
     has_fused_kernel = True
+    # amp's own _overflow_buf, which follows the gradients' device (not a buffer a script put there)
+    _own_overflow_buf: torch.Tensor | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        loss_scale: float | str = "dynamic",
+        init_scale: float = 2.0**16,
+        scale_factor: float = 2.0,
+        scale_window: int = 2000,
+        min_loss_scale: float | None = None,
+        max_loss_scale: float | None = 2.0**24,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        option_names: Mapping[str, str] | None = None,
+    ) -> None:
+        """Apex's ``LossScaler(loss_scale, init_scale, scale_factor, scale_window, min_loss_scale, max_loss_scale)``,
+        by position or keyword; ``growth_factor``/``backoff_factor`` are Ascend's (``amp.initialize``'s
+        ``scale_growth_factor``/``scale_backoff_factor``). ``scale_factor`` did nothing in Apex (the scale halved and
+        doubled): it does nothing here either, and a value other than 2 warns so. A falsy ``min_loss_scale`` is no
+        floor, as in Apex."""
+        names = {**_APEX_OPTION_NAMES, **(option_names or {})}
+        if not (isinstance(scale_factor, numbers.Real) and scale_factor == 2.0):
+            warnings.warn(
+                f"LossScaler: {names.get('scale_factor', 'scale_factor')}={scale_factor!r} is ignored, as Apex "
+                "ignored it: a dynamic scale halves on an overflow and doubles after scale_window clean steps "
+                "(amp.initialize's scale_growth_factor and scale_backoff_factor, or LossScaler's growth_factor= and "
+                "backoff_factor=, change them)",
+                UserWarning,
+                stacklevel=2,
+            )
+        super().__init__(
+            loss_scale,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=scale_window,
+            min_scale=min_loss_scale or None,
+            max_scale=max_loss_scale,
+            option_names=names,
+        )
         # Apex's overflow flag, written by amp_C kernels (``multi_tensor_scale(..., scaler._overflow_buf, ...)``)
         # and read by update_scale; legacy code may put its own buffer here.
-        self._overflow_buf = torch.zeros(1, dtype=torch.int32)
+        self._overflow_buf = self._own_overflow_buf = torch.zeros(1, dtype=torch.int32)
 
     @property
     def _loss_scale(self) -> float:
@@ -91,6 +158,16 @@ class ApexLossScaler(EngineLossScaler):
         self.last_found_inf = found_inf and self.dynamic
         return super().update(found_inf)
 
+    def flag_overflow(self, found_inf: torch.Tensor) -> None:
+        """Raise ``_overflow_buf`` where ``found_inf`` (amp's unscale's flag) is non-zero, on the device, where Apex's
+        kernels left it: nothing is read to the host, so a static scale, whose update_scale never reads it, costs no
+        sync (a dynamic one reads it there, once a backward, as Apex did)."""
+        buf = self._overflow_buf
+        if buf is self._own_overflow_buf and buf.device != found_inf.device:
+            # amp's own flag follows the gradients, as Apex's lived on the GPU: moved once, not read across each step
+            buf = self._overflow_buf = self._own_overflow_buf = buf.to(found_inf.device)
+        buf.masked_fill_((found_inf.reshape(-1)[:1] != 0).to(buf.device), 1)
+
     def clear_overflow_state(self) -> None:
         """Forget the last overflow and zero the overflow buffer (Apex calls it before each unscale)."""
         self.last_found_inf = False
@@ -102,17 +179,35 @@ class ApexLossScaler(EngineLossScaler):
         master_grads: list[torch.Tensor],
         unused_scale: float | None = None,
         models_are_masters: bool = False,
+        scale_override: float | None = None,
     ) -> None:
         """Apex's ``LossScaler.unscale``: ``master_grads = model_grads / scale``, flagging inf/nan in
         ``_overflow_buf`` for :meth:`update_scale` (nothing once an overflow is known, or at a static scale of 1
-        with no masters)."""
+        with no masters). ``scale_override`` divides instead of the loss scale, as Apex's FusedSGD post-backward
+        asked (the scale the gradients carry over the one they are to be left at)."""
         if self._has_overflow:
             return
-        if self._loss_scale == 1.0 and models_are_masters and not self.dynamic:
+        scale = self._loss_scale if scale_override is None else positive_option(scale_override, "scale_override")
+        if scale == 1.0 and models_are_masters and not self.dynamic:
             return
-        from ampkit.ops import multi_tensor
+        multi_tensor.scale_(list(model_grads), 1.0 / scale, self._overflow_buf, out=list(master_grads))
 
-        multi_tensor.scale_(list(model_grads), 1.0 / self._loss_scale, self._overflow_buf, out=list(master_grads))
+    def unscale_with_stashed(
+        self,
+        model_grads: list[torch.Tensor],
+        stashed_master_grads: list[torch.Tensor],
+        master_grads: list[torch.Tensor],
+        scale_override: tuple[float, float, float] | None = None,
+    ) -> None:
+        """Apex's ``LossScaler.unscale_with_stashed``: ``master = model * out/grads_have + stashed * out/stashed_have``
+        (a backward's gradients unscaled onto those stashed before it), the scales ``scale_override`` =
+        ``(grads_have_scale, stashed_have_scale, out_scale)``, by default ``(loss scale, 1, 1)``. Only the model
+        gradients are checked for inf/nan (into ``_overflow_buf``): an overflow is this backward's own."""
+        if self._has_overflow:
+            return
+        grads_have, stashed_have, out = stashed_scales(scale_override, self._loss_scale)
+        lists = [list(model_grads), list(stashed_master_grads), list(master_grads)]
+        amp_c.multi_tensor_axpby(_CHUNK_SIZE, self._overflow_buf, lists, out / grads_have, out / stashed_have, 0)
 
     def update_scale(self) -> bool:
         """Apex's ``LossScaler.update_scale``: a dynamic scaler reads ``_overflow_buf`` (unless an overflow is

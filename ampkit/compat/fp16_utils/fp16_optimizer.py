@@ -3,7 +3,8 @@
 Dynamic loss scaling is Apex amp's ``LossScaler``: the scale starts at ``2**16``, halves on every overflow
 (no floor; ampkit stops at 2**-126, where ``1/scale`` leaves float32), doubles after ``scale_window=2000`` clean
 updates and is capped at ``2**24``; ``dynamic_loss_args`` takes that scaler's keyword arguments (``init_scale``,
-``scale_factor`` -- accepted and ignored, as in Apex --, ``scale_window``, ``min_loss_scale``, ``max_loss_scale``).
+``scale_factor`` -- accepted and ignored, as in Apex, with a warning unless 2 --, ``scale_window``,
+``min_loss_scale``, ``max_loss_scale``).
 The scale moves at the end of every :meth:`FP16_Optimizer.update_master_grads` (so on every ``backward``), whose
 verdict ``overflow`` makes the next ``step()`` skip without touching anything. The older Apex's
 ``DynamicLossScaler`` behaviour (``2**32``, window 1000, floor 1, scale updated in ``step``) is gone.
@@ -39,6 +40,7 @@ _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # How an error names each scaler option: the dynamic_loss_args key the user wrote.
 _DYNAMIC_LOSS_ARG_NAMES = {
     "init_scale": "dynamic_loss_args['init_scale']",
+    "scale_factor": "dynamic_loss_args['scale_factor']",
     "growth_interval": "dynamic_loss_args['scale_window']",
     "min_scale": "dynamic_loss_args['min_loss_scale']",
     "max_scale": "dynamic_loss_args['max_loss_scale']",
@@ -46,7 +48,8 @@ _DYNAMIC_LOSS_ARG_NAMES = {
 
 
 def _dynamic_scaler(dynamic_loss_args: Mapping[str, Any] | None) -> ApexLossScaler:
-    """Apex's ``LossScaler("dynamic", **dynamic_loss_args)``: always halves / doubles (``scale_factor`` ignored)."""
+    """Apex's ``LossScaler("dynamic", **dynamic_loss_args)``: always halves / doubles (``scale_factor`` ignored, with a
+    warning where it is not 2)."""
     args = dict(dynamic_loss_args or {})
     unknown = sorted(set(args) - set(_LOSS_SCALER_ARGS))
     if unknown:
@@ -54,20 +57,9 @@ def _dynamic_scaler(dynamic_loss_args: Mapping[str, Any] | None) -> ApexLossScal
             f"dynamic_loss_args has unknown keys {unknown}; valid keys (Apex amp LossScaler's) are "
             f"{list(_LOSS_SCALER_ARGS)}"
         )
-    init_scale = args.get("init_scale", 2.0**16)
-    window = args.get("scale_window", 2000)
-    if isinstance(window, float) and window.is_integer():
-        window = int(window)
-    scaler = ApexLossScaler(
-        "dynamic",
-        init_scale=init_scale,
-        growth_interval=window,
-        min_scale=args.get("min_loss_scale") or None,  # Apex: a falsy floor (None or 0) is no floor
-        max_scale=args.get("max_loss_scale", 2.0**24),
-        option_names=_DYNAMIC_LOSS_ARG_NAMES,
-    )
+    scaler = ApexLossScaler("dynamic", **args, option_names=_DYNAMIC_LOSS_ARG_NAMES)
     # Apex starts at init_scale as given, even above max_loss_scale; within float32's range (1e39 skipped ~870 steps)
-    scaler._loss_scale = float32_scale(init_scale, _DYNAMIC_LOSS_ARG_NAMES["init_scale"])
+    scaler._loss_scale = float32_scale(args.get("init_scale", 2.0**16), _DYNAMIC_LOSS_ARG_NAMES["init_scale"])
     return scaler
 
 
