@@ -364,6 +364,39 @@ def test_a_run_stopped_by_its_sanity_check_takes_back_only_what_it_wrote(tmp_pat
     assert sorted(p.name for p in trainer.version_dir.iterdir()) == ["train.py"]
 
 
+def test_a_run_stopped_by_its_sanity_check_keeps_what_the_user_put_in_its_tensorboard_folder(tmp_path):
+    """The whole tensorboard/ folder of a run whose sanity validation failed was removed, with the event file of the
+    user's own SummaryWriter and the notes a callback of the user's wrote there; only the run's own event file and
+    records go, and the folders holding the user's files stay."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    class WritesBesideTheRun(ampkit.Callback):
+        def on_fit_start(self, trainer):
+            folder = trainer.version_dir / "tensorboard"
+            folder.mkdir(exist_ok=True)
+            (folder / "notes.md").write_text("why this run was started\n")
+            with SummaryWriter(log_dir=str(folder)) as mine:  # beside the run's own event file
+                mine.add_scalar("user/x", 1.0, 0)
+                self.file = Path(mine.file_writer.event_writer._file_name).name
+
+    class BrokenValidation(ToyTrainer):
+        def validation_step(self, batch):
+            raise ValueError("a broken validation_step")
+
+    cfg = toy_cfg(tmp_path, **{"trainer.progress_bar": False, "logging.log_every_n_steps": 1})
+    users = WritesBesideTheRun()
+    trainer = BrokenValidation(cfg, callbacks=[users])
+    with pytest.raises(ValueError, match="a broken validation_step"):
+        trainer.fit()
+    left = sorted(str(p.relative_to(trainer.version_dir)) for p in trainer.version_dir.rglob("*") if p.is_file())
+    assert left == [f"tensorboard/{users.file}", "tensorboard/notes.md"]
+    # With nothing of the user's there, nothing is left at all.
+    again = BrokenValidation(cfg)
+    with pytest.raises(ValueError, match="a broken validation_step"):
+        again.fit()
+    assert again.version_dir.name == "version_1" and not again.version_dir.exists()
+
+
 def test_a_run_dir_without_hard_links_is_named_as_such_and_left_as_it_was(tmp_path, monkeypatch):
     """On an object-store mount (s3fs, gcsfuse) os.link fails, and the lock's failure read as 'cannot write ...:
     free space or write access under run_dir', though neither was the matter."""
