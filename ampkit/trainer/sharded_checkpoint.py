@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig
 from torch import nn
 
@@ -441,14 +442,37 @@ def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int
 def remove_sharded(path: Path) -> None:
     """Delete checkpoint directory ``path`` at once: renamed to its temp name first (``.step-00000006.tmp``, which the
     next fit's tidy removes), so a kill midway leaves no half of it under a checkpoint's name, where it would be
-    neither resumable nor ever pruned."""
+    neither resumable nor ever pruned. Only the checkpoint's own files go: a file the user put in it (an evaluation's
+    results) is kept, back under ``path`` (a folder of the user's now, which no save replaces), and named in a
+    warning."""
     doomed = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(doomed, ignore_errors=True)
     try:
         os.replace(path, doomed)
     except OSError:  # gone already, or its folder is read-only: nothing is deleted, and it stays whole
         return
-    shutil.rmtree(doomed, ignore_errors=True)
+    for part in doomed.iterdir():
+        if _is_checkpoint_part(part):
+            with suppress(OSError):
+                part.unlink()
+    kept = sorted(p.name for p in doomed.iterdir())
+    if not kept:
+        shutil.rmtree(doomed, ignore_errors=True)
+        return
+    with suppress(OSError):
+        os.replace(doomed, path)
+    rank_zero_warn(
+        f"'{path}' held {', '.join(kept)} beside the checkpoint, which ampkit did not write: the checkpoint's own "
+        "files were deleted and yours kept there; move them elsewhere if you want the folder gone"
+    )
+
+
+def _is_checkpoint_part(path: Path) -> bool:
+    """Whether ``path``, in a sharded checkpoint directory, is a file a save wrote there: DCP's ``.metadata`` and
+    ``__<rank>_<n>.distcp`` shards, ``trainer.pt``."""
+    name = path.name
+    shard = name.startswith("__") and name.endswith(".distcp")
+    return (name in (".metadata", TRAINER_FILE) or shard) and path.is_file() and not path.is_symlink()
 
 
 def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = None) -> None:
