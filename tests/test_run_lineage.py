@@ -482,6 +482,29 @@ def test_a_sharded_checkpoint_set_aside_by_a_killed_save_is_put_back(tmp_path):
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000004"]
 
 
+def test_the_tidy_of_a_sharded_checkpoint_s_temp_folders_keeps_a_file_the_user_put_in_them(tmp_path):
+    """A checkpoint folder a kill left under its temp name (a removal cut short) or set aside (a save of its name
+    cut short after the new one was in place) was removed whole by the next fit's tidy, with the evaluation results
+    the user had saved in it; only the checkpoint's own files go."""
+    from ampkit.trainer.run_life import remove_stale_temps
+
+    checkpoints = tmp_path / "version_0" / "checkpoints"
+    for name in (".step-00000006.tmp", ".step-00000002.old", ".step-00000008.tmp", "step-00000002"):
+        (checkpoints / name).mkdir(parents=True)
+    for name in (".step-00000006.tmp", ".step-00000002.old", ".step-00000008.tmp"):
+        for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+            (checkpoints / name / part).write_bytes(b"a part")
+    (checkpoints / ".step-00000006.tmp" / "eval.json").write_text("{}")
+    (checkpoints / ".step-00000002.old" / "notes.txt").write_text("the run before the fix")
+    with pytest.warns(UserWarning) as warned:
+        remove_stale_temps(tmp_path / "version_0")
+    assert [p.name for p in (checkpoints / "step-00000006").iterdir()] == ["eval.json"]  # back under its name
+    assert [p.name for p in (checkpoints / ".step-00000002.old").iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000002.old", "step-00000002", "step-00000006"]
+    messages = " ".join(str(w.message) for w in warned)
+    assert "step-00000006' held eval.json" in messages and ".step-00000002.old' held notes.txt" in messages
+
+
 class StopsItself(ToyTrainer):
     """User code that ends training at step 3 (``state.should_stop``), as a target-loss rule would."""
 

@@ -88,6 +88,7 @@ from ampkit.trainer.sharded_checkpoint import (
     TRAINER_FILE,
     checkpoint_damage,
     checkpoint_kind,
+    discard_checkpoint_dir,
     is_sharded_checkpoint,
     missing_sharded_parts,
     newest_whole_beside,
@@ -858,14 +859,14 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
         name, link = path.name, path.is_symlink()
         if _TEMP_FILE.match(name) and (link or path.is_file()) or _TEMP_SHARDED.match(name) and link:
             path.unlink(missing_ok=True)
-        elif _TEMP_SHARDED.match(name) and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+        elif _TEMP_SHARDED.match(name) and path.is_dir():  # a file the user put in it stays, back under its name
+            discard_checkpoint_dir(path, checkpoints / name[1 : -len(".tmp")])
         elif (aside := _SET_ASIDE.match(name)) and path.is_dir() and not link:
             original = checkpoints / aside.group(1)
             if not original.exists():  # killed between setting it aside and renaming its replacement in: the only copy
                 os.replace(path, original)
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            discard_checkpoint_dir(path, path)  # a file the user put in it stays there
         else:
             continue
         removed.append(path)

@@ -446,23 +446,34 @@ def remove_sharded(path: Path) -> None:
     results) is kept, back under ``path`` (a folder of the user's now, which no save replaces), and named in a
     warning."""
     doomed = path.with_name(f".{path.name}.tmp")
-    shutil.rmtree(doomed, ignore_errors=True)
+    if doomed.is_dir() and not doomed.is_symlink():  # an earlier removal cut short: a file of the user's there stays
+        discard_checkpoint_dir(doomed, doomed)
     try:
         os.replace(path, doomed)
     except OSError:  # gone already, or its folder is read-only: nothing is deleted, and it stays whole
         return
-    for part in doomed.iterdir():
+    discard_checkpoint_dir(doomed, path)
+
+
+def discard_checkpoint_dir(directory: Path, home: Path) -> None:
+    """Delete the checkpoint's own files in ``directory`` (a temp name a removal or a save gave it), and the directory
+    once nothing else is left. What the user put there is kept: the directory goes back to ``home``, its checkpoint's
+    name, where nothing is now (else it stays as it is), and a warning names the files."""
+    for part in directory.iterdir():
         if _is_checkpoint_part(part):
             with suppress(OSError):
                 part.unlink()
-    kept = sorted(p.name for p in doomed.iterdir())
+    kept = sorted(p.name for p in directory.iterdir())
     if not kept:
-        shutil.rmtree(doomed, ignore_errors=True)
+        with suppress(OSError):
+            directory.rmdir()
         return
-    with suppress(OSError):
-        os.replace(doomed, path)
+    if not home.exists() and not home.is_symlink():
+        with suppress(OSError):
+            os.replace(directory, home)
+    where = home if not directory.exists() else directory
     rank_zero_warn(
-        f"'{path}' held {', '.join(kept)} beside the checkpoint, which ampkit did not write: the checkpoint's own "
+        f"'{where}' held {', '.join(kept)} beside the checkpoint, which ampkit did not write: the checkpoint's own "
         "files were deleted and yours kept there; move them elsewhere if you want the folder gone"
     )
 
