@@ -198,11 +198,25 @@ def _move_into_place(tmp: Path, path: Path) -> None:
     the new one is in its place."""
     aside = path.with_name(f".{path.name}.old")
     if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
-        shutil.rmtree(aside, ignore_errors=True)
+        if aside.is_dir() and not aside.is_symlink():  # an older one a kill left: what the user put there moves on
+            _carry_users_files(aside, path)
+            discard_checkpoint_dir(aside, aside)
         os.replace(path, aside)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    shutil.rmtree(aside, ignore_errors=True)
+    if aside.is_dir() and not aside.is_symlink():
+        _carry_users_files(aside, path)
+        discard_checkpoint_dir(aside, aside)
+
+
+def _carry_users_files(old: Path, new: Path) -> None:
+    """Move what the user put in checkpoint folder ``old`` (all but the checkpoint's own files) into ``new``, the one
+    that replaces it under its name; a name ``new`` holds already stays in ``old``."""
+    for entry in old.iterdir():
+        target = new / entry.name
+        if not _is_checkpoint_part(entry) and not target.exists() and not target.is_symlink():
+            with suppress(OSError):
+                os.replace(entry, target)
 
 
 def copy_sharded(source: Path, alias: Path) -> Path:
