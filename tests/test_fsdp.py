@@ -714,20 +714,19 @@ def test_a_sharded_save_that_fails_on_one_rank_stops_every_rank_and_the_next_res
 def test_a_kill_while_pruning_a_sharded_checkpoint_leaves_no_half_of_it(tmp_path, monkeypatch):
     """keep_last deleted an old checkpoint directory file by file under its own name: a kill midway left a
     ``step-N`` without ``.metadata``, neither resumable nor ever pruned again."""
-    real_rmtree = shutil.rmtree
+    real_unlink = Path.unlink
 
     def killed_midway(path, *args, **kwargs):  # the kill strikes after the first file
-        if (Path(path) / ".metadata").is_file() and "00000001" in Path(path).name:
-            (Path(path) / ".metadata").unlink()
+        real_unlink(path, *args, **kwargs)
+        if path.name == ".metadata" and "00000001" in path.parent.name:
             raise KeyboardInterrupt
-        real_rmtree(path, *args, **kwargs)
 
     settings = {"logging.tensorboard": False, "trainer.progress_bar": False, "distributed.strategy": "fsdp",
                 "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1, "trainer.max_steps": 3}  # fmt: skip
-    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    monkeypatch.setattr(Path, "unlink", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
-    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(Path, "unlink", real_unlink)
     checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
     assert all(is_sharded_checkpoint(p) for p in checkpoints.iterdir() if not p.name.startswith("."))
     ToyTrainer(toy_cfg(tmp_path, **settings)).fit(resume="last")

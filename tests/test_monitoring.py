@@ -303,6 +303,22 @@ def test_a_sharded_best_k_directory_a_kill_left_outside_the_ranking_goes_at_the_
     assert (checkpoints / "best").resolve().name == "best-00000002"
 
 
+def test_a_sharded_checkpoint_leaving_the_ranking_keeps_the_file_the_user_put_in_it(tmp_path):
+    """A best-k directory pushed out of the top k was deleted whole, with the evaluation results the user had saved
+    in it; only the checkpoint's own files go, and the user's stay under its name, named in a warning."""
+    best = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "checkpoint.every_n_epochs": 0,
+            "distributed.strategy": "fsdp", "trainer.device": "cpu"}  # fmt: skip
+    scores = [5, 3, 4]
+    checkpoints = _fit(tmp_path, scores, **best, **{"trainer.max_steps": 2}).version_dir / "checkpoints"
+    (checkpoints / "best-00000001" / "eval.json").write_text('{"accuracy": 0.5}')
+    with pytest.warns(UserWarning, match=r"best-00000001' held eval.json beside the checkpoint"):
+        _fit(tmp_path, scores, resume="last", **best, **{"trainer.max_steps": 3})  # step 3's 4 pushes out step 1's 5
+    assert [p.name for p in (checkpoints / "best-00000001").iterdir()] == ["eval.json"]
+    assert (checkpoints / "best-00000001" / "eval.json").read_text() == '{"accuracy": 0.5}'
+    assert sorted(p.name for p in checkpoints.glob("best-*")) == ["best-00000001", "best-00000002", "best-00000003"]
+    assert (checkpoints / "best").resolve().name == "best-00000002"
+
+
 def test_best_k_under_fsdp_keeps_directories_and_best_links_the_best(tmp_path):
     scores = [5, 3, 4, 1, 2, 6]
     best = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 6,

@@ -349,6 +349,23 @@ def test_a_sharded_save_never_sets_aside_and_deletes_a_users_folder_at_its_name(
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
 
 
+def test_a_sharded_checkpoint_saved_again_under_its_name_keeps_the_file_the_user_put_in_it(tmp_path):
+    """A checkpoint folder saved again under its name (a best-k copy, a resume's save of the same step) was set aside
+    and deleted whole, with the evaluation results the user had saved in it; they move into the new one."""
+    from ampkit.trainer.sharded_checkpoint import copy_sharded
+
+    source, alias = tmp_path / "step-00000004", tmp_path / "best-00000004"
+    for folder, text in ((source, b"new"), (alias, b"old")):
+        folder.mkdir()
+        for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+            (folder / part).write_bytes(text)
+    (alias / "eval.json").write_text('{"accuracy": 0.5}')
+    copy_sharded(source, alias)
+    assert sorted(p.name for p in alias.iterdir()) == [".metadata", "__0_0.distcp", "eval.json", "trainer.pt"]
+    assert (alias / "trainer.pt").read_bytes() == b"new" and (alias / "eval.json").read_text() == '{"accuracy": 0.5}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-00000004", "step-00000004"]
+
+
 def test_a_run_does_not_read_back_the_checkpoints_it_wrote_to_tell_them_from_a_users(tmp_path, monkeypatch):
     """Each save read last.pt (and each file pruning passed) back to see that it was no file of the user's: for a
     model of a few thousand tensors that read cost 70% of the save's time again."""

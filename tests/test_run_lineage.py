@@ -364,6 +364,39 @@ def test_a_run_stopped_by_its_sanity_check_takes_back_only_what_it_wrote(tmp_pat
     assert sorted(p.name for p in trainer.version_dir.iterdir()) == ["train.py"]
 
 
+def test_a_run_stopped_by_its_sanity_check_keeps_what_the_user_put_in_its_tensorboard_folder(tmp_path):
+    """The whole tensorboard/ folder of a run whose sanity validation failed was removed, with the event file of the
+    user's own SummaryWriter and the notes a callback of the user's wrote there; only the run's own event file and
+    records go, and the folders holding the user's files stay."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    class WritesBesideTheRun(ampkit.Callback):
+        def on_fit_start(self, trainer):
+            folder = trainer.version_dir / "tensorboard"
+            folder.mkdir(exist_ok=True)
+            (folder / "notes.md").write_text("why this run was started\n")
+            with SummaryWriter(log_dir=str(folder)) as mine:  # beside the run's own event file
+                mine.add_scalar("user/x", 1.0, 0)
+                self.file = Path(mine.file_writer.event_writer._file_name).name
+
+    class BrokenValidation(ToyTrainer):
+        def validation_step(self, batch):
+            raise ValueError("a broken validation_step")
+
+    cfg = toy_cfg(tmp_path, **{"trainer.progress_bar": False, "logging.log_every_n_steps": 1})
+    users = WritesBesideTheRun()
+    trainer = BrokenValidation(cfg, callbacks=[users])
+    with pytest.raises(ValueError, match="a broken validation_step"):
+        trainer.fit()
+    left = sorted(str(p.relative_to(trainer.version_dir)) for p in trainer.version_dir.rglob("*") if p.is_file())
+    assert left == [f"tensorboard/{users.file}", "tensorboard/notes.md"]
+    # With nothing of the user's there, nothing is left at all.
+    again = BrokenValidation(cfg)
+    with pytest.raises(ValueError, match="a broken validation_step"):
+        again.fit()
+    assert again.version_dir.name == "version_1" and not again.version_dir.exists()
+
+
 def test_a_run_dir_without_hard_links_is_named_as_such_and_left_as_it_was(tmp_path, monkeypatch):
     """On an object-store mount (s3fs, gcsfuse) os.link fails, and the lock's failure read as 'cannot write ...:
     free space or write access under run_dir', though neither was the matter."""
@@ -447,6 +480,29 @@ def test_a_sharded_checkpoint_set_aside_by_a_killed_save_is_put_back(tmp_path):
     remove_stale_temps(tmp_path / "version_0")
     assert (checkpoints / "step-00000004" / "trainer.pt").read_bytes() == b"the only copy"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000004"]
+
+
+def test_the_tidy_of_a_sharded_checkpoint_s_temp_folders_keeps_a_file_the_user_put_in_them(tmp_path):
+    """A checkpoint folder a kill left under its temp name (a removal cut short) or set aside (a save of its name
+    cut short after the new one was in place) was removed whole by the next fit's tidy, with the evaluation results
+    the user had saved in it; only the checkpoint's own files go."""
+    from ampkit.trainer.run_life import remove_stale_temps
+
+    checkpoints = tmp_path / "version_0" / "checkpoints"
+    for name in (".step-00000006.tmp", ".step-00000002.old", ".step-00000008.tmp", "step-00000002"):
+        (checkpoints / name).mkdir(parents=True)
+    for name in (".step-00000006.tmp", ".step-00000002.old", ".step-00000008.tmp"):
+        for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+            (checkpoints / name / part).write_bytes(b"a part")
+    (checkpoints / ".step-00000006.tmp" / "eval.json").write_text("{}")
+    (checkpoints / ".step-00000002.old" / "notes.txt").write_text("the run before the fix")
+    with pytest.warns(UserWarning) as warned:
+        remove_stale_temps(tmp_path / "version_0")
+    assert [p.name for p in (checkpoints / "step-00000006").iterdir()] == ["eval.json"]  # back under its name
+    assert [p.name for p in (checkpoints / ".step-00000002.old").iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000002.old", "step-00000002", "step-00000006"]
+    messages = " ".join(str(w.message) for w in warned)
+    assert "step-00000006' held eval.json" in messages and ".step-00000002.old' held notes.txt" in messages
 
 
 class StopsItself(ToyTrainer):

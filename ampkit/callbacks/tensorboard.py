@@ -27,7 +27,7 @@ from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import from_storage
 from ampkit.trainer.distributed import decided_by_rank_zero
 from ampkit.trainer.logger import Logger, check_image
-from ampkit.trainer.run_life import RunDirectoryError
+from ampkit.trainer.run_life import RunDirectoryError, created_here
 from ampkit.wording import beyond_float, integer_digits
 
 
@@ -72,9 +72,11 @@ def summary_writer(log_dir: Path, purge_step: int | None) -> Any:
     global _open_writers
     from torch.utils.tensorboard import SummaryWriter
 
-    before = set(threading.enumerate())
+    before, files = set(threading.enumerate()), set(_event_files(log_dir))
     writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
     _WRITER_THREADS.update(set(threading.enumerate()) - before)
+    for created in set(_event_files(log_dir)) - files:  # the writer's own file, made as it was built
+        created_here(created, whole=False)
     if getattr(threading.excepthook, "func", None) is not _quiet_writer_threads:
         threading.excepthook = functools.partial(_quiet_writer_threads, previous=threading.excepthook)
     _open_writers += 1
@@ -95,13 +97,18 @@ def writer_closed() -> None:
 _EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.")
 
 
+def _event_files(log_dir: Path) -> list[Path]:
+    """The TensorBoard event files directly in ``log_dir`` (none where it does not exist yet)."""
+    return list(log_dir.glob("events.out.tfevents.*"))
+
+
 def _after_the_newest_event_file(log_dir: Path) -> None:
     """Wait, if need be, for the second after the newest event file's in ``log_dir`` began. TensorBoard reads a
     directory's files in name order, which starts with the second a file was created: a continued run's file made in
     the same second as its predecessor's could be read first (the pid decides), and the predecessor's purge would
     then hide this run's steps. At most a second: a file stamped later still (another machine's clock) is not waited
     for."""
-    seconds = [int(m.group(1)) for p in log_dir.glob("events.out.tfevents.*") if (m := _EVENT_FILE.match(p.name))]
+    seconds = [int(m.group(1)) for p in _event_files(log_dir) if (m := _EVENT_FILE.match(p.name))]
     if seconds and 0 < (wait := max(seconds) + 1 - time.time()) <= 1:
         time.sleep(wait)
 

@@ -48,6 +48,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -87,6 +88,7 @@ from ampkit.trainer.sharded_checkpoint import (
     TRAINER_FILE,
     checkpoint_damage,
     checkpoint_kind,
+    discard_checkpoint_dir,
     is_sharded_checkpoint,
     missing_sharded_parts,
     newest_whole_beside,
@@ -672,6 +674,9 @@ def open_version_dir(
         if start.branched_from is not None:
             write_text_atomic(OmegaConf.to_yaml(lineage(start)), version_dir / LINEAGE_FILE)
         save_config(version_dir, cfg, global_step, start)
+        if start.version_dir is None:  # a version_N made just now: what a run stopped before training takes back
+            for record in (LINEAGE_FILE, "config.yaml"):
+                created_here(version_dir / record)
     except BaseException as exc:
         if lock is not None:
             lock.release()
@@ -722,14 +727,38 @@ def _protected_record(path: Path) -> str:
     )
 
 
-# What a run writes in its version directory before it trains (its lock it has released: one there now is another's).
-_RUN_RECORDS = ("config.yaml", LINEAGE_FILE, "tensorboard", "checkpoints")
+# The files this process created in version directories it made, by absolute path, each with its identity then
+# (device, inode; for a file written whole also its mtime and size): what a run stopped before training removes, and
+# nothing else (a file a callback of the user's put there, or one it wrote over ours, is not among them).
+_CREATED: dict[str, tuple[int, ...]] = {}
+
+
+def _identity(path: str, whole: bool) -> tuple[int, ...] | None:
+    """``path``'s identity as :data:`_CREATED` keeps it, or None where it is no regular file (a symlink is not one)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size) if whole else (info.st_dev, info.st_ino)
+
+
+def created_here(path: Path, whole: bool = True) -> None:
+    """Record ``path`` as a file this run just created in its version directory (``whole``: written once, complete;
+    else one it goes on appending to, a TensorBoard event file), for :func:`discard_new_version_dir`."""
+    key = os.path.abspath(path)
+    if (identity := _identity(key, whole)) is not None:
+        _CREATED[key] = identity
+        while len(_CREATED) > 256:
+            del _CREATED[next(iter(_CREATED))]
 
 
 def discard_new_version_dir(version_dir: Path | None, start: FitStart) -> None:
     """Remove the version directory a fresh run or a branch created, when it stopped before training (its sanity
-    validation failed): a mistake caught before training leaves no empty ``version_N`` behind. Only what the run wrote
-    goes: a file a callback of the user's put there (a copy of the script) is kept, and its directory with it. A
+    validation failed): a mistake caught before training leaves no empty ``version_N`` behind. Only the files the run
+    created go (:func:`created_here`: its config, lineage, TensorBoard event file), each only while it is the one the
+    run wrote; a file a callback of the user's or the user put anywhere there is kept, with the folders holding it. A
     directory that a resume continues, or that holds anything under ``checkpoints/``, is never touched. Rank zero
     only."""
     if version_dir is None or start.version_dir is not None:
@@ -737,14 +766,16 @@ def discard_new_version_dir(version_dir: Path | None, start: FitStart) -> None:
     checkpoints = version_dir / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         return
-    for path in (version_dir / name for name in _RUN_RECORDS):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
+    root = os.path.abspath(version_dir) + os.sep
+    for key in [key for key in _CREATED if key.startswith(root)]:
+        identity = _CREATED.pop(key)
+        if _identity(key, whole=len(identity) > 2) == identity:
             with suppress(OSError):
-                path.unlink(missing_ok=True)
-    with suppress(OSError):  # not empty: what is left is the user's
-        version_dir.rmdir()
+                os.unlink(key)
+    for folder in (version_dir / "tensorboard", checkpoints, version_dir):  # each only if nothing is left in it
+        if not folder.is_symlink():
+            with suppress(OSError):
+                folder.rmdir()
 
 
 def lineage(start: FitStart) -> dict[str, Any]:
@@ -828,14 +859,14 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
         name, link = path.name, path.is_symlink()
         if _TEMP_FILE.match(name) and (link or path.is_file()) or _TEMP_SHARDED.match(name) and link:
             path.unlink(missing_ok=True)
-        elif _TEMP_SHARDED.match(name) and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+        elif _TEMP_SHARDED.match(name) and path.is_dir():  # a file the user put in it stays, back under its name
+            discard_checkpoint_dir(path, checkpoints / name[1 : -len(".tmp")])
         elif (aside := _SET_ASIDE.match(name)) and path.is_dir() and not link:
             original = checkpoints / aside.group(1)
             if not original.exists():  # killed between setting it aside and renaming its replacement in: the only copy
                 os.replace(path, original)
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            discard_checkpoint_dir(path, path)  # a file the user put in it stays there
         else:
             continue
         removed.append(path)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig
 from torch import nn
 
@@ -197,11 +198,25 @@ def _move_into_place(tmp: Path, path: Path) -> None:
     the new one is in its place."""
     aside = path.with_name(f".{path.name}.old")
     if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
-        shutil.rmtree(aside, ignore_errors=True)
+        if aside.is_dir() and not aside.is_symlink():  # an older one a kill left: what the user put there moves on
+            _carry_users_files(aside, path)
+            discard_checkpoint_dir(aside, aside)
         os.replace(path, aside)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    shutil.rmtree(aside, ignore_errors=True)
+    if aside.is_dir() and not aside.is_symlink():
+        _carry_users_files(aside, path)
+        discard_checkpoint_dir(aside, aside)
+
+
+def _carry_users_files(old: Path, new: Path) -> None:
+    """Move what the user put in checkpoint folder ``old`` (all but the checkpoint's own files) into ``new``, the one
+    that replaces it under its name; a name ``new`` holds already stays in ``old``."""
+    for entry in old.iterdir():
+        target = new / entry.name
+        if not _is_checkpoint_part(entry) and not target.exists() and not target.is_symlink():
+            with suppress(OSError):
+                os.replace(entry, target)
 
 
 def copy_sharded(source: Path, alias: Path) -> Path:
@@ -441,14 +456,48 @@ def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int
 def remove_sharded(path: Path) -> None:
     """Delete checkpoint directory ``path`` at once: renamed to its temp name first (``.step-00000006.tmp``, which the
     next fit's tidy removes), so a kill midway leaves no half of it under a checkpoint's name, where it would be
-    neither resumable nor ever pruned."""
+    neither resumable nor ever pruned. Only the checkpoint's own files go: a file the user put in it (an evaluation's
+    results) is kept, back under ``path`` (a folder of the user's now, which no save replaces), and named in a
+    warning."""
     doomed = path.with_name(f".{path.name}.tmp")
-    shutil.rmtree(doomed, ignore_errors=True)
+    if doomed.is_dir() and not doomed.is_symlink():  # an earlier removal cut short: a file of the user's there stays
+        discard_checkpoint_dir(doomed, doomed)
     try:
         os.replace(path, doomed)
     except OSError:  # gone already, or its folder is read-only: nothing is deleted, and it stays whole
         return
-    shutil.rmtree(doomed, ignore_errors=True)
+    discard_checkpoint_dir(doomed, path)
+
+
+def discard_checkpoint_dir(directory: Path, home: Path) -> None:
+    """Delete the checkpoint's own files in ``directory`` (a temp name a removal or a save gave it), and the directory
+    once nothing else is left. What the user put there is kept: the directory goes back to ``home``, its checkpoint's
+    name, where nothing is now (else it stays as it is), and a warning names the files."""
+    for part in directory.iterdir():
+        if _is_checkpoint_part(part):
+            with suppress(OSError):
+                part.unlink()
+    kept = sorted(p.name for p in directory.iterdir())
+    if not kept:
+        with suppress(OSError):
+            directory.rmdir()
+        return
+    if not home.exists() and not home.is_symlink():
+        with suppress(OSError):
+            os.replace(directory, home)
+    where = home if not directory.exists() else directory
+    rank_zero_warn(
+        f"'{where}' held {', '.join(kept)} beside the checkpoint, which ampkit did not write: the checkpoint's own "
+        "files were deleted and yours kept there; move them elsewhere if you want the folder gone"
+    )
+
+
+def _is_checkpoint_part(path: Path) -> bool:
+    """Whether ``path``, in a sharded checkpoint directory, is a file a save wrote there: DCP's ``.metadata`` and
+    ``__<rank>_<n>.distcp`` shards, ``trainer.pt``."""
+    name = path.name
+    shard = name.startswith("__") and name.endswith(".distcp")
+    return (name in (".metadata", TRAINER_FILE) or shard) and path.is_file() and not path.is_symlink()
 
 
 def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = None) -> None:
