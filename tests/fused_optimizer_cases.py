@@ -1,6 +1,7 @@
 """Every fused optimizer, built as a user swapping one in for its torch.optim counterpart usually builds it (weight
 decay on), keyed by a short name: the cases the torch-contract suites (optimizer, lr scheduler, GradScaler) share."""
 
+from ampkit.ops import optimizers
 from ampkit.ops.optimizers import (
     FusedAdadelta,
     FusedAdagrad,
@@ -14,19 +15,9 @@ from ampkit.ops.optimizers import (
     FusedSGD,
 )
 
-# Every fused optimizer class, for checks of what each one's constructor takes
-ALL_FUSED = [
-    FusedAdadelta,
-    FusedAdagrad,
-    FusedAdam,
-    FusedAdamP,
-    FusedLAMB,
-    FusedMixedPrecisionLamb,
-    FusedNovoGrad,
-    FusedRMSprop,
-    FusedRMSpropTF,
-    FusedSGD,
-]
+# Every fused optimizer class the package exports (its base class aside), for checks of what each constructor takes:
+# one added to ampkit.ops.optimizers is checked without a list here to extend
+ALL_FUSED = [getattr(optimizers, name) for name in optimizers.__all__ if name != "FusedOptimizer"]
 OPTIMIZERS = {
     "adamw": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, **kw),
     "adam_l2": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, adam_w_mode=False, **kw),
