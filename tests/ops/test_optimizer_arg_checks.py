@@ -424,3 +424,73 @@ def test_an_integer_tensor_lr_goes_to_torchs_fused_ops_as_float32_off_the_cpu():
         assert lr_for_torch_op(lr, meta).dtype == torch.float32
     assert lr_for_torch_op(torch.tensor(0.5, dtype=torch.float64, device=meta), meta).dtype == torch.float64
     assert lr_for_torch_op(torch.tensor(1), torch.device("cpu")) == 1.0
+
+
+class _ReadCounted(torch.Tensor):
+    """A hyper-parameter tensor that counts its reads to the host (``item()``, ``bool()``, ``float()``), those of the
+    tensors computed from it (``value > 0``) included."""
+
+    reads = 0
+
+    def item(self):
+        _ReadCounted.reads += 1
+        return super().item()
+
+    def __bool__(self):
+        _ReadCounted.reads += 1
+        return super().__bool__()
+
+    def __float__(self):
+        _ReadCounted.reads += 1
+        return super().__float__()
+
+
+STATE_NUMBERS = {  # the group numbers a state is created from: (fused, torch.optim twin, key, value, the rest)
+    "rmsprop": (FusedRMSprop, torch.optim.RMSprop, "momentum", 0.875, {"lr": 1e-2, "centered": True}),
+    "adagrad": (FusedAdagrad, torch.optim.Adagrad, "initial_accumulator_value", 0.1, {"lr": 1e-2}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STATE_NUMBERS))
+def test_a_state_creating_hyperparameter_is_read_once_a_group_with_the_same_numbers(case):
+    """RMSprop's momentum (is there a momentum_buffer?) and Adagrad's initial_accumulator_value (sum's start) were read
+    per parameter as a state was made, a host read apiece for a tensor. They are read once a group now, and a float64
+    run with a 0-dim tensor value steps as torch.optim's twin does with the number."""
+    ours, theirs, key, value, rest = STATE_NUMBERS[case]
+    reads = []
+    for count in (2, 6):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64)) for _ in range(count)]
+        twins = [p.detach().clone().requires_grad_() for p in params]
+        optimizer = ours(params, **rest, **{key: value}, backend="ampkit")
+        optimizer.state.clear()  # made again at the first step (Adagrad's constructor made them), from the tensor
+        optimizer.param_groups[0][key] = torch.tensor(value, dtype=torch.float64).as_subclass(_ReadCounted)
+        reference = theirs(twins, **rest, **{key: value})
+        _ReadCounted.reads = 0
+        for _ in range(3):
+            for p, t in zip(params, twins, strict=True):
+                p.grad = torch.randn_like(p)
+                t.grad = p.grad.clone()
+            optimizer.step()
+            reference.step()
+        reads.append(_ReadCounted.reads)
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, atol=0, rtol=1e-12)
+    assert reads[0] == reads[1], reads  # as many host reads for a group of 2 parameters as for one of 6
+
+
+def test_adagrads_share_memory_reads_a_tensor_initial_value_as_it_is_now():
+    """share_memory() makes the state of parameters that have none from the group's initial_accumulator_value, read
+    anew there: not the number the last step read (making another parameter's state), before a fill_ changed it."""
+    params = _model_params()
+    initial = torch.tensor(0.25)
+    optimizer = FusedAdagrad(params, lr=0.1, initial_accumulator_value=initial)
+    grown, late = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    grown.grad = torch.zeros(3)
+    optimizer.param_groups[0]["params"].append(grown)  # joins the group (a layer grown in place): state at the step
+    optimizer.step()
+    initial.fill_(0.5)
+    optimizer.param_groups[0]["params"].append(late)
+    optimizer.share_memory()
+    assert torch.equal(optimizer.state[grown]["sum"], torch.full((3,), 0.25))
+    assert torch.equal(optimizer.state[late]["sum"], torch.full((3,), 0.5))

@@ -921,8 +921,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Every group with its buckets, all built before any is stepped: a gradient refused in a later group
         (``_check_grad``) then stops the step before an earlier group's parameters have moved. The start of a step's
         pass over the groups: the host numbers read by the last one (:meth:`group_numbers`) are dropped."""
-        self._host_hypers = {}
+        self._new_read_pass()
         return [(group, self._buckets(group)) for group in self.param_groups]
+
+    def _new_read_pass(self) -> None:
+        """Start a pass over the groups that reads their tensor hyper-parameters anew (:meth:`group_numbers`): a
+        step's, or one that creates state outside a step (construction, ``share_memory``, ``load_state_dict``)."""
+        self._host_hypers = {}
 
     def group_numbers(self, group: dict[str, Any], keys: tuple[str, ...]) -> list[float]:
         """The group's ``keys`` as host numbers (``betas`` as its two), in order: each read once a step however many
@@ -1165,6 +1170,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             except ValueError as exc:  # its type kept: a saved lr of "0.1" is a TypeError as well
                 raise type(exc)(f"{type(self).__name__}.load_state_dict: saved param_groups[{i}]: {exc}") from None
         before = (self.state, self.param_groups)
+        self._new_read_pass()  # the fresh states _init_state builds to check the loaded ones read the groups once
         try:
             with _load_hooks_held(self):
                 self._load_state(state_dict)

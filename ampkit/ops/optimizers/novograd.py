@@ -131,7 +131,7 @@ class FusedNovoGrad(FusedOptimizer):
         on the device, which divides them). Kept with their buckets for ``_step_on_host``: nothing is stored yet,
         as the step may be skipped."""
         self._blends = []
-        self._host_hypers = {}  # this step's pass over the groups (as _all_buckets starts one)
+        self._new_read_pass()  # this step's pass over the groups (as _all_buckets starts one)
         for group in self.param_groups:
             for bucket in self._buckets(group):
                 factor = unscale if isinstance(unscale, float) else 1.0 / _scalar_on(unscale, bucket.device).double()
