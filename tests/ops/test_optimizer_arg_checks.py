@@ -445,6 +445,38 @@ class _ReadCounted(torch.Tensor):
         return super().__float__()
 
 
+class _CountedGroup(dict):
+    """A param group that counts the reads of its values by key (``group[key]``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads: dict[str, int] = {}
+
+    def __getitem__(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_no_group_value_is_read_per_parameter_in_a_step(name):
+    """Making each parameter's state read the group's values again (RMSprop's momentum and centered, Adam's amsgrad,
+    NovoGrad's init_zero, Adagrad's initial_accumulator_value: a host read apiece for a tensor): every group value is
+    read as many times in a group of 5 parameters' first two steps as in a group of 1's."""
+    reads = []
+    for count in (1, 5):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(3)) for _ in range(count)]
+        optimizer = OPTIMIZERS[name]([torch.nn.Parameter(torch.randn(2))])
+        group = _CountedGroup(params=params)  # added after construction: its states are made by the first step
+        optimizer.add_param_group(group)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(3)
+            optimizer.step()
+        reads.append({key: n for key, n in group.reads.items() if key != "params"})
+    assert reads[0] == reads[1], reads
+
+
 STATE_NUMBERS = {  # the group numbers a state is created from: (fused, torch.optim twin, key, value, the rest)
     "rmsprop": (FusedRMSprop, torch.optim.RMSprop, "momentum", 0.875, {"lr": 1e-2, "centered": True}),
     "adagrad": (FusedAdagrad, torch.optim.Adagrad, "initial_accumulator_value", 0.1, {"lr": 1e-2}),
@@ -494,3 +526,4 @@ def test_adagrads_share_memory_reads_a_tensor_initial_value_as_it_is_now():
     optimizer.share_memory()
     assert torch.equal(optimizer.state[grown]["sum"], torch.full((3,), 0.25))
     assert torch.equal(optimizer.state[late]["sum"], torch.full((3,), 0.5))
+

@@ -943,6 +943,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         step's, or one that creates state outside a step (construction, ``share_memory``, ``load_state_dict``)."""
         self._host_hypers = {}
 
+    def _state_inputs(self, group: dict[str, Any], keys: tuple[str, ...]) -> list[Any]:
+        """The group's ``keys`` a parameter's state is made from (:meth:`_init_state`), read once a pass however many
+        of its parameters get a state then: a flag as it is, a tensor as its host number (:func:`host_numbers`)."""
+        known = self._host_hypers.setdefault(id(group), {})
+        missing = [key for key in keys if key not in known]
+        if missing:
+            known.update(zip(missing, host_numbers([group[key] for key in missing]), strict=True))
+        return [known[key] for key in keys]
+
     def group_numbers(self, group: dict[str, Any], keys: tuple[str, ...]) -> list[float]:
         """The group's ``keys`` as host numbers (``betas`` as its two), in order: each read once a step however many
         buckets the group has, those not read yet this step together (:func:`host_numbers`: one transfer for the

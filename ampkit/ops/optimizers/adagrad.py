@@ -93,8 +93,7 @@ class FusedAdagrad(FusedOptimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-        # a one-element tensor is taken as its number, as torch's is, read once a group (not per parameter)
-        (initial,) = self.group_numbers(group, ("initial_accumulator_value",))
+        (initial,) = self._state_inputs(group, ("initial_accumulator_value",))  # a tensor: its number, as in torch
         state["sum"] = torch.full_like(param, float(initial), dtype=acc_dtype(param))
 
     def share_memory(self) -> None:

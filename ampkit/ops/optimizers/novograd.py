@@ -95,7 +95,8 @@ class FusedNovoGrad(FusedOptimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
-        init = 0.0 if group["init_zero"] else _UNSET
+        (init_zero,) = self._state_inputs(group, ("init_zero",))
+        init = 0.0 if init_zero else _UNSET
         state["exp_avg_sq"] = torch.tensor(init, dtype=acc_dtype(param), device=param.device)
 
     def _load_state(self, state_dict: dict[str, Any]) -> None:
