@@ -527,3 +527,25 @@ def test_adagrads_share_memory_reads_a_tensor_initial_value_as_it_is_now():
     assert torch.equal(optimizer.state[grown]["sum"], torch.full((3,), 0.25))
     assert torch.equal(optimizer.state[late]["sum"], torch.full((3,), 0.5))
 
+
+@pytest.mark.parametrize("clipped", [True, False])
+@pytest.mark.parametrize("name", ["FusedLAMB", "FusedMixedPrecisionLamb"])
+def test_lambs_tensor_max_grad_norm_is_read_once_a_step_and_clips_as_its_number(name, clipped):
+    """LAMB compared a tensor max_grad_norm with the global norm twice (a host read each) and handed the clip, a tensor
+    then, to each bucket's kernel: it is read once a group a step now, as the other hyper-parameters, with the same
+    update as the number's."""
+    from ampkit.ops import optimizers
+
+    limit = 0.5 if clipped else 1e3
+    results, reads = [], []
+    for value in (torch.tensor(limit, dtype=torch.float64).as_subclass(_ReadCounted), limit):
+        params = [*_model_params(), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))]  # a second bucket
+        params[-1].grad = torch.randn_like(params[-1])
+        optimizer = getattr(optimizers, name)(params, lr=1e-2, max_grad_norm=value)
+        _ReadCounted.reads = 0
+        for _ in range(2):
+            optimizer.step()
+        reads.append(_ReadCounted.reads)
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert reads[0] == 4, reads  # a step's two: the step-time group check's of a CPU tensor, and group_numbers'
