@@ -244,6 +244,7 @@ class LegacyFusedAdam(torch.optim.Optimizer):
             lr, beta1, beta2, eps, weight_decay, max_grad_norm = host_numbers(
                 [group["lr"], *group["betas"], group["eps"], group["weight_decay"], group["max_grad_norm"]]
             )
+            bias_correction = int(group["bias_correction"])
             combined_scale = float(scale)
             if max_grad_norm > 0:
                 if norm is None:
@@ -267,7 +268,7 @@ class LegacyFusedAdam(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 first_adam_update(p, output, state["exp_avg"], state["exp_avg_sq"], grad, lr, beta1, beta2, eps,
-                                  combined_scale, state["step"], self.eps_mode, int(group["bias_correction"]),
+                                  combined_scale, state["step"], self.eps_mode, bias_correction,
                                   weight_decay)  # fmt: skip
         return loss
 

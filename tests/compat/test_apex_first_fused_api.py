@@ -106,6 +106,33 @@ def test_tensor_hyperparameters_are_read_once_a_group_a_step_and_step_as_their_n
         torch.testing.assert_close(p.double(), r, rtol=2e-6, atol=2e-7)
 
 
+class _CountedGroup(dict):
+    """A param group that counts the reads of its values by key (``group[key]``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads: dict[str, int] = {}
+
+    def __getitem__(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().__getitem__(key)
+
+
+def test_no_group_value_is_read_per_parameter_in_a_step():
+    """The step read the group's bias_correction again for each parameter's update: every group value is read a number
+    of times that does not grow with the group's parameters."""
+    reads = []
+    for count in (1, 5):
+        params = [torch.nn.Parameter(torch.randn(3)) for _ in range(count)]
+        optimizer = LegacyFusedAdam(params, lr=1e-2, max_grad_norm=1.0)
+        optimizer.param_groups = [_CountedGroup(group) for group in optimizer.param_groups]
+        for p in params:
+            p.grad = torch.randn(3)
+        optimizer.step()
+        reads.append({key: n for key, n in optimizer.param_groups[0].reads.items() if key != "params"})
+    assert reads[0] == reads[1], reads
+
+
 def test_grad_norms_given_per_group_are_used_for_clipping():
     """FP16_Optimizer hands each group's norm of the scaled grads: a given norm decides the clip, not p.grad."""
     p = torch.ones(4)
