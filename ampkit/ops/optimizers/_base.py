@@ -939,8 +939,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         return [(group, self._buckets(group)) for group in self.param_groups]
 
     def _new_read_pass(self) -> None:
-        """Start a pass over the groups that reads their tensor hyper-parameters anew (:meth:`group_numbers`): a
-        step's, or one that creates state outside a step (construction, ``share_memory``, ``load_state_dict``)."""
+        """Start a pass over the groups that reads their values anew (:meth:`group_numbers`, :meth:`_state_inputs`): a
+        step's, or one that creates state outside a step (``share_memory``, ``load_state_dict``)."""
         self._host_hypers = {}
 
     def _state_inputs(self, group: dict[str, Any], keys: tuple[str, ...]) -> list[Any]:
