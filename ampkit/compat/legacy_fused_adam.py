@@ -40,6 +40,7 @@ from ampkit.ops.optimizers._base import (
     check_hyper,
     host_numbers,
 )
+from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 
 # Constructor arguments of the first FusedAdam that its successor does not take: any of them selects this class.
 LEGACY_ONLY_ARGUMENTS = ("eps_inside_sqrt", "max_grad_norm", "use_mt", "amp_scale_adjustment")
@@ -114,6 +115,34 @@ def _per_group(values: Any, groups: int) -> list:
     return values
 
 
+def _check_adam_keywords(
+    maximize: Any, decoupled_weight_decay: Any, weight_decay: float | torch.Tensor, bias_correction: bool
+) -> None:
+    """torch.optim.Adam's ``maximize`` and ``decoupled_weight_decay``, taken where they say what the first FusedAdam's
+    step does and refused naming what it does instead: it descends only, and adds ``weight_decay * p`` to the update
+    it scales by the step size (AdamW's decay where that size is ``lr``, without bias correction)."""
+    if checked_switch("FusedAdam", "maximize", maximize):
+        raise ValueError(
+            "FusedAdam: maximize=True asks for gradient ascent; Apex's first FusedAdam (built by max_grad_norm, "
+            "eps_inside_sqrt, use_mt or amp_scale_adjustment) only descends: negate the loss, or leave those out"
+        )
+    if decoupled_weight_decay is None:
+        return
+    decoupled = checked_switch("FusedAdam", "decoupled_weight_decay", decoupled_weight_decay)
+    if float(weight_decay) == 0 or (decoupled and not bias_correction):
+        return
+    asked = (
+        "AdamW's decay, p -= lr * weight_decay * p"
+        if decoupled
+        else "torch.optim.Adam's L2 decay, weight_decay * p added to the gradient"
+    )
+    raise ValueError(
+        f"FusedAdam: decoupled_weight_decay={decoupled_weight_decay!r} asks for {asked}; Apex's first FusedAdam adds "
+        "weight_decay * p to the update it scales by the step size, which is AdamW's decay only with "
+        "bias_correction=False (the step size is then lr): leave decoupled_weight_decay out"
+    )
+
+
 class LegacyFusedAdam(torch.optim.Optimizer):
     """Apex's first ``FusedAdam``: Adam with decoupled weight decay scaled by the step size, optional
     ``max_grad_norm`` clipping folded into the gradient scale, and a ``step`` that can take the gradients, a
@@ -132,7 +161,18 @@ class LegacyFusedAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         use_mt: bool = False,
         amp_scale_adjustment: float = 1.0,
+        *,
+        maximize: bool = False,
+        decoupled_weight_decay: bool | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        capturable: bool = False,
     ) -> None:
+        # torch.optim.Adam's keywords, in a port that also gives max_grad_norm: taken where they say what this does
+        check_torch_keywords(
+            "FusedAdam", foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
+        )
         # Apex's first FusedAdam read these by truthiness: "False" turned them on
         bias_correction = checked_switch("FusedAdam", "bias_correction", bias_correction)
         eps_inside_sqrt = checked_switch("FusedAdam", "eps_inside_sqrt", eps_inside_sqrt)
@@ -145,6 +185,7 @@ class LegacyFusedAdam(torch.optim.Optimizer):
         betas = check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         check_hyper("max_grad_norm", max_grad_norm, finite=False)
+        _check_adam_keywords(maximize, decoupled_weight_decay, weight_decay, bias_correction)
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,
@@ -203,6 +244,7 @@ class LegacyFusedAdam(torch.optim.Optimizer):
             lr, beta1, beta2, eps, weight_decay, max_grad_norm = host_numbers(
                 [group["lr"], *group["betas"], group["eps"], group["weight_decay"], group["max_grad_norm"]]
             )
+            bias_correction = int(group["bias_correction"])
             combined_scale = float(scale)
             if max_grad_norm > 0:
                 if norm is None:
@@ -226,7 +268,7 @@ class LegacyFusedAdam(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 first_adam_update(p, output, state["exp_avg"], state["exp_avg_sq"], grad, lr, beta1, beta2, eps,
-                                  combined_scale, state["step"], self.eps_mode, int(group["bias_correction"]),
+                                  combined_scale, state["step"], self.eps_mode, bias_correction,
                                   weight_decay)  # fmt: skip
         return loss
 

@@ -144,3 +144,35 @@ def test_add_param_group_while_gradients_are_scaled_names_where_it_was_called(de
         with pytest.raises(RuntimeError, match=want):
             optimizer.add_param_group({"params": head.parameters()})
     assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_add_param_group_runs_the_lazy_init_and_keeps_the_callers_dict_as_the_group(level):
+    """Apex's add_param_group ran the lazy init first, through ``_lazy_init_maybe_master_weights`` (a script's wrapper
+    of it ran there, once; the masters took the weights loaded since initialize), and kept the caller's dict as the
+    group, its params swapped for fp32 masters under O2, as torch keeps it. Here the O2 dict was copied, so a later
+    ``group["lr"] = ...`` on it was silently dropped, and the lazy init waited for the first backward."""
+    first, second = half_exact_linear(4, 4, seed=3), half_exact_linear(4, 2, seed=4)
+    model = torch.nn.Sequential(first, torch.nn.Tanh(), second)
+    optimizer = torch.optim.SGD(first.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
+    calls = []
+    amps_own = optimizer._lazy_init_maybe_master_weights
+    optimizer._lazy_init_maybe_master_weights = lambda: calls.append("lazy init") or amps_own()
+    pretrained = half_exact_linear(4, 4, seed=5)
+    first.load_state_dict(pretrained.state_dict())  # cast into the model after initialize
+    group = {"params": second.parameters(), "lr": 0.05}
+    optimizer.add_param_group(group)
+    assert calls == ["lazy init"] and optimizer._amp_stash.lazy_init_called
+    assert optimizer.param_groups[-1] is group
+    assert [p.dtype for p in group["params"]] == [torch.float32] * 2  # O2's fp32 masters, O1's fp32 model
+    for held, loaded in zip(optimizer.param_groups[0]["params"], first.parameters(), strict=True):
+        assert torch.equal(held.to(loaded.dtype), loaded)  # the masters took the loaded weights
+    group["lr"] = 0.0  # the new layer frozen through the caller's dict
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(model(torch.linspace(-1, 1, 24).reshape(6, 4)).float().pow(2).mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
+    assert moved == [True, True, False, False]
+    assert calls == ["lazy init"]

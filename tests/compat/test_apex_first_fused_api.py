@@ -106,6 +106,33 @@ def test_tensor_hyperparameters_are_read_once_a_group_a_step_and_step_as_their_n
         torch.testing.assert_close(p.double(), r, rtol=2e-6, atol=2e-7)
 
 
+class _CountedGroup(dict):
+    """A param group that counts the reads of its values by key (``group[key]``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads: dict[str, int] = {}
+
+    def __getitem__(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().__getitem__(key)
+
+
+def test_no_group_value_is_read_per_parameter_in_a_step():
+    """The step read the group's bias_correction again for each parameter's update: every group value is read a number
+    of times that does not grow with the group's parameters."""
+    reads = []
+    for count in (1, 5):
+        params = [torch.nn.Parameter(torch.randn(3)) for _ in range(count)]
+        optimizer = LegacyFusedAdam(params, lr=1e-2, max_grad_norm=1.0)
+        optimizer.param_groups = [_CountedGroup(group) for group in optimizer.param_groups]
+        for p in params:
+            p.grad = torch.randn(3)
+        optimizer.step()
+        reads.append({key: n for key, n in optimizer.param_groups[0].reads.items() if key != "params"})
+    assert reads[0] == reads[1], reads
+
+
 def test_grad_norms_given_per_group_are_used_for_clipping():
     """FP16_Optimizer hands each group's norm of the scaled grads: a given norm decides the clip, not p.grad."""
     p = torch.ones(4)
@@ -486,3 +513,46 @@ def test_fused_adam_cuda_names_mismatched_tensors_instead_of_broadcasting_them(s
     fused_adam_cuda.adam(p, torch.empty(0), torch.zeros(2, 3), torch.zeros(2, 3), flat_grad, 0.1, 0.9, 0.999, 0.0, 1.0,
                          1, 1)  # fmt: skip
     assert torch.allclose(p, torch.full((2, 3), 0.9))
+
+
+def test_torch_adams_keywords_are_taken_where_they_agree_and_refused_by_name(shim):
+    """A port of torch.optim.Adam(params, lr, fused=True) that also gives max_grad_norm (which builds Apex's first
+    FusedAdam) was Python's bare 'unexpected keyword argument': every keyword torch.optim.Adam takes is taken where it
+    says what the first kernel does, as the fused optimizers take them, and refused naming it otherwise."""
+    import inspect
+
+    from apex.optimizers import FusedAdam
+
+    ours = set(inspect.signature(LegacyFusedAdam.__init__).parameters)
+    assert set(inspect.signature(torch.optim.Adam.__init__).parameters) <= ours
+    agreeing = {
+        "foreach": None, "fused": True, "differentiable": False, "capturable": None, "maximize": False,
+        "decoupled_weight_decay": True,  # the first kernel's decay is AdamW's where its step size is lr
+    }  # fmt: skip
+    results = []
+    for extra in (agreeing, {}):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+        optimizer = FusedAdam(params, lr=1e-2, bias_correction=False, weight_decay=0.1, max_grad_norm=1.0, **extra)
+        assert isinstance(optimizer, LegacyFusedAdam)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            optimizer.step()
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    for keyword, value, message in [
+        ("foreach", True, "foreach=True asks for torch.optim's foreach"),
+        ("fused", False, "fused=False asks for torch.optim's unfused"),
+        ("differentiable", True, "differentiable=True asks for a step gradients flow through"),
+        ("capturable", True, "capturable=True asks for a step CUDA graphs can capture"),
+        ("maximize", True, "maximize=True asks for gradient ascent"),
+        ("decoupled_weight_decay", False, "decoupled_weight_decay=False asks for torch.optim.Adam's L2 decay"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^FusedAdam: {message}"):
+            FusedAdam([torch.nn.Parameter(torch.ones(2))], weight_decay=0.1, max_grad_norm=1.0, **{keyword: value})
+    with pytest.raises(ValueError, match=r"decoupled_weight_decay=True asks for AdamW's decay.*bias_correction=False"):
+        LegacyFusedAdam([torch.nn.Parameter(torch.ones(2))], weight_decay=0.1, decoupled_weight_decay=True)
+    LegacyFusedAdam([torch.nn.Parameter(torch.ones(2))], decoupled_weight_decay=False)  # no decay: nothing differs
+    with pytest.raises(TypeError, match=r"invalid fused: 'yes' is a str"):
+        LegacyFusedAdam([torch.nn.Parameter(torch.ones(2))], fused="yes")

@@ -424,3 +424,128 @@ def test_an_integer_tensor_lr_goes_to_torchs_fused_ops_as_float32_off_the_cpu():
         assert lr_for_torch_op(lr, meta).dtype == torch.float32
     assert lr_for_torch_op(torch.tensor(0.5, dtype=torch.float64, device=meta), meta).dtype == torch.float64
     assert lr_for_torch_op(torch.tensor(1), torch.device("cpu")) == 1.0
+
+
+class _ReadCounted(torch.Tensor):
+    """A hyper-parameter tensor that counts its reads to the host (``item()``, ``bool()``, ``float()``), those of the
+    tensors computed from it (``value > 0``) included."""
+
+    reads = 0
+
+    def item(self):
+        _ReadCounted.reads += 1
+        return super().item()
+
+    def __bool__(self):
+        _ReadCounted.reads += 1
+        return super().__bool__()
+
+    def __float__(self):
+        _ReadCounted.reads += 1
+        return super().__float__()
+
+
+class _CountedGroup(dict):
+    """A param group that counts the reads of its values by key (``group[key]``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads: dict[str, int] = {}
+
+    def __getitem__(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_no_group_value_is_read_per_parameter_in_a_step(name):
+    """Making each parameter's state read the group's values again (RMSprop's momentum and centered, Adam's amsgrad,
+    NovoGrad's init_zero, Adagrad's initial_accumulator_value: a host read apiece for a tensor): every group value is
+    read as many times in a group of 5 parameters' first two steps as in a group of 1's."""
+    reads = []
+    for count in (1, 5):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(3)) for _ in range(count)]
+        optimizer = OPTIMIZERS[name]([torch.nn.Parameter(torch.randn(2))])
+        group = _CountedGroup(params=params)  # added after construction: its states are made by the first step
+        optimizer.add_param_group(group)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(3)
+            optimizer.step()
+        reads.append({key: n for key, n in group.reads.items() if key != "params"})
+    assert reads[0] == reads[1], reads
+
+
+STATE_NUMBERS = {  # the group numbers a state is created from: (fused, torch.optim twin, key, value, the rest)
+    "rmsprop": (FusedRMSprop, torch.optim.RMSprop, "momentum", 0.875, {"lr": 1e-2, "centered": True}),
+    "adagrad": (FusedAdagrad, torch.optim.Adagrad, "initial_accumulator_value", 0.1, {"lr": 1e-2}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STATE_NUMBERS))
+def test_a_state_creating_hyperparameter_is_read_once_a_group_with_the_same_numbers(case):
+    """RMSprop's momentum (is there a momentum_buffer?) and Adagrad's initial_accumulator_value (sum's start) were read
+    per parameter as a state was made, a host read apiece for a tensor. They are read once a group now, and a float64
+    run with a 0-dim tensor value steps as torch.optim's twin does with the number."""
+    ours, theirs, key, value, rest = STATE_NUMBERS[case]
+    reads = []
+    for count in (2, 6):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64)) for _ in range(count)]
+        twins = [p.detach().clone().requires_grad_() for p in params]
+        optimizer = ours(params, **rest, **{key: value}, backend="ampkit")
+        optimizer.state.clear()  # made again at the first step (Adagrad's constructor made them), from the tensor
+        optimizer.param_groups[0][key] = torch.tensor(value, dtype=torch.float64).as_subclass(_ReadCounted)
+        reference = theirs(twins, **rest, **{key: value})
+        _ReadCounted.reads = 0
+        for _ in range(3):
+            for p, t in zip(params, twins, strict=True):
+                p.grad = torch.randn_like(p)
+                t.grad = p.grad.clone()
+            optimizer.step()
+            reference.step()
+        reads.append(_ReadCounted.reads)
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, atol=0, rtol=1e-12)
+    assert reads[0] == reads[1], reads  # as many host reads for a group of 2 parameters as for one of 6
+
+
+def test_adagrads_share_memory_reads_a_tensor_initial_value_as_it_is_now():
+    """share_memory() makes the state of parameters that have none from the group's initial_accumulator_value, read
+    anew there: not the number the last step read (making another parameter's state), before a fill_ changed it."""
+    params = _model_params()
+    initial = torch.tensor(0.25)
+    optimizer = FusedAdagrad(params, lr=0.1, initial_accumulator_value=initial)
+    grown, late = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    grown.grad = torch.zeros(3)
+    optimizer.param_groups[0]["params"].append(grown)  # joins the group (a layer grown in place): state at the step
+    optimizer.step()
+    initial.fill_(0.5)
+    optimizer.param_groups[0]["params"].append(late)
+    optimizer.share_memory()
+    assert torch.equal(optimizer.state[grown]["sum"], torch.full((3,), 0.25))
+    assert torch.equal(optimizer.state[late]["sum"], torch.full((3,), 0.5))
+
+
+@pytest.mark.parametrize("clipped", [True, False])
+@pytest.mark.parametrize("name", ["FusedLAMB", "FusedMixedPrecisionLamb"])
+def test_lambs_tensor_max_grad_norm_is_read_once_a_step_and_clips_as_its_number(name, clipped):
+    """LAMB compared a tensor max_grad_norm with the global norm twice (a host read each) and handed the clip, a tensor
+    then, to each bucket's kernel: it is read once a group a step now, as the other hyper-parameters, with the same
+    update as the number's."""
+    from ampkit.ops import optimizers
+
+    limit = 0.5 if clipped else 1e3
+    results, reads = [], []
+    for value in (torch.tensor(limit, dtype=torch.float64).as_subclass(_ReadCounted), limit):
+        params = [*_model_params(), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))]  # a second bucket
+        params[-1].grad = torch.randn_like(params[-1])
+        optimizer = getattr(optimizers, name)(params, lr=1e-2, max_grad_norm=value)
+        _ReadCounted.reads = 0
+        for _ in range(2):
+            optimizer.step()
+        reads.append(_ReadCounted.reads)
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert reads[0] == 4, reads  # a step's two: the step-time group check's of a CPU tensor, and group_numbers'

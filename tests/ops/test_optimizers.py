@@ -470,6 +470,58 @@ def test_torch_optims_implementation_keywords_are_taken_where_they_agree_and_ref
         cls(make_params(torch.float32), **lr, fused="yes")
 
 
+# torch.optim's classes that take capturable=, each with the fused optimizer a checkpoint of it loads into
+CAPTURABLE_TWINS = {
+    "adam": (torch.optim.Adam, lambda p, **kw: FusedAdam(p, adam_w_mode=False, **kw)),
+    "adamw": (torch.optim.AdamW, FusedAdam),
+    "rmsprop": (torch.optim.RMSprop, FusedRMSprop),
+    "adadelta": (torch.optim.Adadelta, FusedAdadelta),
+}
+
+
+@pytest.mark.parametrize("twin", sorted(CAPTURABLE_TWINS))
+def test_capturable_none_is_taken_as_torch_takes_it_in_the_constructor_a_group_and_a_checkpoint(twin):
+    """torch.optim keeps capturable=None (falsy: it steps as with False) in its defaults and groups; the fused
+    optimizers refused it as no switch, so the port and a torch checkpoint of that optimizer failed to load."""
+    theirs, ours = CAPTURABLE_TWINS[twin]
+    torch.manual_seed(0)
+    params = make_params(torch.float32)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    torch_optimizer = theirs([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, capturable=None)
+    torch_optimizer.step()  # the spec: None steps as False
+    assert torch_optimizer.param_groups[0]["capturable"] is None
+    saved = torch_optimizer.state_dict()
+    results = []
+    for capturable in (None, False):
+        fresh = [p.detach().clone().requires_grad_() for p in params]
+        for p, q in zip(fresh, params, strict=True):
+            p.grad = q.grad.clone()
+        optimizer = ours(fresh[:1], lr=1e-2, capturable=capturable)
+        optimizer.add_param_group({"params": fresh[1:], "capturable": capturable})
+        optimizer.step()
+        optimizer.load_state_dict(saved)  # a torch checkpoint whose groups hold capturable=None
+        assert [group["capturable"] for group in optimizer.param_groups] == [None, None]
+        optimizer.step()
+        results.append(fresh)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    with pytest.raises(TypeError, match=r"nvalid capturable: 'yes' is a str"):  # None is no licence for any value
+        ours(make_params(torch.float32), capturable="yes")
+
+
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda cls: cls.__name__)
+def test_differentiable_none_is_refused_saying_torchs_step_fails_on_it(cls):
+    """torch.optim keeps differentiable=None, then each step fails in torch.set_grad_enabled(None): it is no value
+    torch steps with, so it stays refused, the message saying why."""
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    with pytest.raises(TypeError, match="set_grad_enabled"):
+        torch.optim.Adam([p], differentiable=None).step()  # the spec
+    lr = {"lr": 0.1} if cls is FusedSGD else {}
+    with pytest.raises(TypeError, match=r"invalid differentiable: None .*each of its steps then fails"):
+        cls(make_params(torch.float32), **lr, differentiable=None)
+
+
 # ----------------------------------------------------------------- GradScaler contract, zero_grad
 
 

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import ampkit.compat.optimizers as apex_optimizers
-from ampkit.ops.optimizers import FusedAdadelta, FusedAdagrad, FusedAdam, FusedRMSprop, FusedSGD
+from ampkit.compat.legacy_fused_adam import LegacyFusedAdam
+from ampkit.ops.optimizers import FusedAdadelta, FusedAdagrad, FusedAdam, FusedRMSprop, FusedRMSpropTF, FusedSGD
 
 # Apex's names (``apex.optimizers`` through the shim), with their defaults: subclasses of the fused optimizers, with
 # Apex's attributes, FusedAdam's own step and, for FusedAdam, FusedLAMB and FusedNovoGrad, step counts per group.
@@ -711,3 +712,40 @@ def test_adagrad_share_memory_shares_each_sum_as_torchs_for_hogwild_training():
     assert_same(optimizer.state_dict()["state"][2]["sum"], torch.full_like(params[2], 0.2))
     run(optimizer, params, 0, 1)
     assert all(optimizer.state[p]["sum"].is_shared() and optimizer.state[p]["step"] == 1 for p in params)
+
+
+# Each optimizer that ports a torch.optim one, with it: ampkit's, Apex's names and Apex's first FusedAdam
+PORTS = [
+    (FusedAdam, torch.optim.Adam),
+    (FusedAdam, torch.optim.AdamW),
+    (FusedSGD, torch.optim.SGD),
+    (FusedAdagrad, torch.optim.Adagrad),
+    (FusedAdadelta, torch.optim.Adadelta),
+    (FusedRMSprop, torch.optim.RMSprop),
+    (FusedRMSpropTF, torch.optim.RMSprop),
+    (apex_optimizers.FusedAdam, torch.optim.Adam),
+    (apex_optimizers.FusedSGD, torch.optim.SGD),
+    (apex_optimizers.FusedAdagrad, torch.optim.Adagrad),
+    (LegacyFusedAdam, torch.optim.Adam),
+]
+
+
+@pytest.mark.parametrize(("ours", "theirs"), PORTS, ids=lambda c: f"{c.__module__.split('.')[1]}.{c.__name__}")
+def test_every_keyword_of_the_torch_twin_is_taken_or_refused_by_name(ours, theirs):
+    """A keyword torch.optim's constructor takes was Python's bare "unexpected keyword argument" for the optimizer a
+    port swaps in (LegacyFusedAdam's foreach=/fused=/maximize=...): each one is in the signature, and passed at torch's
+    default it is taken, or refused naming it where it disagrees with the fused step (FusedAdam's decoupled_weight_decay
+    =False beside its default adam_w_mode=True)."""
+    import inspect
+
+    keywords = {
+        name: parameter.default
+        for name, parameter in inspect.signature(theirs.__init__).parameters.items()
+        if name not in ("self", "params")
+    }
+    assert set(keywords) <= set(inspect.signature(ours.__init__).parameters), theirs.__name__
+    for name, default in keywords.items():
+        try:
+            ours(make_params(), **{name: default})
+        except (TypeError, ValueError) as error:
+            assert name in str(error) and "unexpected keyword" not in str(error), (name, error)

@@ -453,13 +453,14 @@ class AmpOptimizerStash:
                     "multiplied by the loss scale; end the accumulation with a scale_loss without delay_unscale (and "
                     "step), then add the group"
                 )
-            if stash.master_weights is not None:
+            if not stash.lazy_init_called:  # Apex's ran the lazy init first, inline: not through _amp_lazy_init
+                self._lazy_init_maybe_master_weights()
+                stash.lazy_init_called = True
+            if stash.master_weights is not None and isinstance(param_group, dict):
                 params = param_group.get("params")
                 if isinstance(params, torch.Tensor) or (params is not None and not isinstance(params, set)):
-                    param_group = {
-                        **param_group,
-                        "params": [params] if isinstance(params, torch.Tensor) else list(params),
-                    }
+                    # the caller's dict, as torch and Apex keep it: it is the group (its later lr is the step's)
+                    param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
                     stash.master_weights.check_new_params(param_group["params"])
             original_add_param_group(param_group)
             if stash.master_weights is not None:

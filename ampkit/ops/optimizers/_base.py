@@ -373,6 +373,19 @@ def check_flag(name: str, value: Any) -> None:
     raise ArgumentTypeError(f"Invalid {name}: {value!r} is {type_of(value)} (expected True or False){hint}")
 
 
+# The flags torch.optim also takes as None, meaning False: torch.optim.Adam(capturable=None) keeps None in its groups
+# (and checkpoints) and steps as with False.
+_NONE_IS_FALSE = frozenset({"capturable"})
+
+
+def check_group_flag(name: str, key: str, value: Any) -> None:
+    """:func:`check_flag` on the flag ``key`` (named ``name``), which may also be None where torch.optim takes None
+    as False (``capturable``): a torch checkpoint of ``Adam(capturable=None)`` was refused at load."""
+    if value is None and key in _NONE_IS_FALSE:
+        return
+    check_flag(name, value)
+
+
 def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
     """``betas`` as a tuple if it is a sequence of two numbers in [0, 1) (a tuple, a list, OmegaConf's ListConfig, as
     torch.optim takes them); else a ValueError (a float there is a positional call gone astray)."""
@@ -420,7 +433,7 @@ def check_group_hypers(group: dict[str, Any]) -> None:
             check_hyper(f"{key} of a param group", group[key], low, high, closed=high == math.inf)
     for key in GROUP_FLAGS:
         if key in group:
-            check_flag(f"{key} of a param group", group[key])
+            check_group_flag(f"{key} of a param group", key, group[key])
     for key in GROUP_CHOICES:
         if key in group:
             check_choice(f"{key} of a param group", group[key], key)
@@ -470,7 +483,7 @@ def _check_group_value(name: str, key: str, value: Any) -> None:
         low, high = GROUP_HYPER_RULES[key]
         check_hyper(name, value, low, high, closed=high == math.inf)
     elif key in _FLAG_KEYS:
-        check_flag(name, value)
+        check_group_flag(name, key, value)
     elif key in GROUP_CHOICES:
         check_choice(name, value, key)
     elif key == "betas":
@@ -648,8 +661,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
         for key in GROUP_FLAGS:  # named as given, before the groups that take them as defaults
             if key in defaults:
-                check_flag(key, defaults[key])
-                defaults[key] = bool(defaults[key])  # numpy's bool_ would not load back under weights_only
+                check_group_flag(key, key, defaults[key])
+                if defaults[key] is not None:  # kept as given, as torch keeps it
+                    defaults[key] = bool(defaults[key])  # numpy's bool_ would not load back under weights_only
         check_flag("set_grad_none", set_grad_none)
         self.master_weights = master_weights
         self.backend = resolve_backend(backend, type(self).__name__)
@@ -921,8 +935,22 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Every group with its buckets, all built before any is stepped: a gradient refused in a later group
         (``_check_grad``) then stops the step before an earlier group's parameters have moved. The start of a step's
         pass over the groups: the host numbers read by the last one (:meth:`group_numbers`) are dropped."""
-        self._host_hypers = {}
+        self._new_read_pass()
         return [(group, self._buckets(group)) for group in self.param_groups]
+
+    def _new_read_pass(self) -> None:
+        """Start a pass over the groups that reads their values anew (:meth:`group_numbers`, :meth:`_state_inputs`): a
+        step's, or one that creates state outside a step (``share_memory``, ``load_state_dict``)."""
+        self._host_hypers = {}
+
+    def _state_inputs(self, group: dict[str, Any], keys: tuple[str, ...]) -> list[Any]:
+        """The group's ``keys`` a parameter's state is made from (:meth:`_init_state`), read once a pass however many
+        of its parameters get a state then: a flag as it is, a tensor as its host number (:func:`host_numbers`)."""
+        known = self._host_hypers.setdefault(id(group), {})
+        missing = [key for key in keys if key not in known]
+        if missing:
+            known.update(zip(missing, host_numbers([group[key] for key in missing]), strict=True))
+        return [known[key] for key in keys]
 
     def group_numbers(self, group: dict[str, Any], keys: tuple[str, ...]) -> list[float]:
         """The group's ``keys`` as host numbers (``betas`` as its two), in order: each read once a step however many
@@ -1165,6 +1193,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             except ValueError as exc:  # its type kept: a saved lr of "0.1" is a TypeError as well
                 raise type(exc)(f"{type(self).__name__}.load_state_dict: saved param_groups[{i}]: {exc}") from None
         before = (self.state, self.param_groups)
+        self._new_read_pass()  # the fresh states _init_state builds to check the loaded ones read the groups once
         try:
             with _load_hooks_held(self):
                 self._load_state(state_dict)

@@ -18,8 +18,11 @@ _AGREEING: dict[str, tuple[tuple[Any, ...], str]] = {
     "foreach": ((None,), "None"),
     "fused": ((None, True), "None or True"),
     "differentiable": ((False,), "False"),
-    "capturable": ((False,), "False"),
+    "capturable": ((None, False), "False or None"),  # torch.optim keeps None and steps as with False
 }
+
+# torch.optim keeps differentiable=None, then every step fails in torch.set_grad_enabled(None)
+_NONE_FAILS_IN_TORCH = "; torch.optim keeps None there and each of its steps then fails in torch.set_grad_enabled"
 
 
 def _asks_for(keyword: str, value: bool, owner: str) -> str:
@@ -48,8 +51,10 @@ def check_torch_keywords(owner: str, **given: Any) -> None:
         if value is None and None in agreeing:
             continue
         if value is None or not is_switch(value):
+            also = _NONE_FAILS_IN_TORCH if value is None and keyword == "differentiable" else ""
             raise ArgumentTypeError(
-                f"{owner}: invalid {keyword}: {value!r} is {type_of(value)} (expected {words}, as torch.optim takes)"
+                f"{owner}: invalid {keyword}: {value!r} is {type_of(value)} (expected {words}, as torch.optim "
+                f"takes{also})"
             )
         if bool(value) in agreeing:
             continue

@@ -93,12 +93,13 @@ class FusedAdagrad(FusedOptimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-        initial = group["initial_accumulator_value"]  # a one-element tensor is taken as its number, as torch's is
+        (initial,) = self._state_inputs(group, ("initial_accumulator_value",))  # a tensor: its number, as in torch
         state["sum"] = torch.full_like(param, float(initial), dtype=acc_dtype(param))
 
     def share_memory(self) -> None:
         """Move each ``sum`` to shared memory, as ``torch.optim.Adagrad.share_memory`` (Hogwild training across
         processes); a parameter of a group added since gets its state now, so that it is shared too."""
+        self._new_read_pass()
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]

@@ -110,7 +110,8 @@ class FusedAdam(FusedOptimizer):
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
         state["exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
-        if group["amsgrad"]:
+        (amsgrad,) = self._state_inputs(group, ("amsgrad",))
+        if amsgrad:
             state["max_exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
 
     def state_dict(self) -> dict[str, Any]:

@@ -115,7 +115,7 @@ class FusedLAMB(FusedOptimizer):
     def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:
         global_norm = abs(grad_factor) * (0.0 if prefetched is None else float(prefetched[0]))
         for group, buckets in self._all_buckets():
-            max_norm = group["max_grad_norm"]
+            (max_norm,) = self.group_numbers(group, ("max_grad_norm",))  # a tensor's read once, not per comparison
             clip = global_norm / max_norm if max_norm > 0 and global_norm > max_norm else 1.0
             self._steps_from_group(group, buckets)
             factor = grad_factor / clip

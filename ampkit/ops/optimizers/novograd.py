@@ -95,7 +95,8 @@ class FusedNovoGrad(FusedOptimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
-        init = 0.0 if group["init_zero"] else _UNSET
+        (init_zero,) = self._state_inputs(group, ("init_zero",))
+        init = 0.0 if init_zero else _UNSET
         state["exp_avg_sq"] = torch.tensor(init, dtype=acc_dtype(param), device=param.device)
 
     def _load_state(self, state_dict: dict[str, Any]) -> None:
@@ -131,7 +132,7 @@ class FusedNovoGrad(FusedOptimizer):
         on the device, which divides them). Kept with their buckets for ``_step_on_host``: nothing is stored yet,
         as the step may be skipped."""
         self._blends = []
-        self._host_hypers = {}  # this step's pass over the groups (as _all_buckets starts one)
+        self._new_read_pass()  # this step's pass over the groups (as _all_buckets starts one)
         for group in self.param_groups:
             for bucket in self._buckets(group):
                 factor = unscale if isinstance(unscale, float) else 1.0 / _scalar_on(unscale, bucket.device).double()

@@ -39,11 +39,12 @@ class _RMSpropFamily(FusedOptimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         dtype = acc_dtype(param)
+        momentum, centered = self._state_inputs(group, ("momentum", "centered"))
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["square_avg"] = torch.full_like(param, self._square_init, dtype=dtype)
-        if group["momentum"] > 0:
+        if momentum > 0:
             state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype)
-        if group["centered"]:
+        if centered:
             state["grad_avg"] = torch.zeros_like(param, dtype=dtype)
 
     def _update(
