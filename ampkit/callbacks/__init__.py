@@ -11,7 +11,7 @@ from ampkit.callbacks.checkpointing_report import CheckpointingReport
 from ampkit.callbacks.clipping import GradientClipping
 from ampkit.callbacks.compile_report import CompileReport
 from ampkit.callbacks.distributed import DistributedSync
-from ampkit.callbacks.early_stopping import EarlyStopping
+from ampkit.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
 from ampkit.callbacks.fp8 import Float8AllGatherScales, Float8Telemetry
 from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
@@ -34,6 +34,7 @@ __all__ = [
     "CompileReport",
     "DistributedSync",
     "EarlyStopping",
+    "EarlyStoppingReason",
     "Float8AllGatherScales",
     "Float8Telemetry",
     "GradientClipping",
