@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -52,6 +53,16 @@ __all__ = [
     "switched_on_by",
     "precision_callbacks",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A Lightning callback this module has none of (``LearningRateMonitor``) is an ImportError naming what does its
+    work here; any other missing name is Python's AttributeError."""
+    from ampkit.trainer.lightning_names import LIGHTNING_CALLBACKS, missing_callback
+
+    if name in LIGHTNING_CALLBACKS:
+        raise missing_callback(__name__, name)
+    raise AttributeError(f"module '{__name__}' has no attribute '{name}'", name=name, obj=sys.modules[__name__])
 
 
 def default_callbacks(trainer: Trainer) -> list[Callback]:

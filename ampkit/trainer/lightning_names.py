@@ -53,7 +53,10 @@ LIGHTNING_NAMES: dict[str, str] = {
     "clip_gradients": "trainer.clip_grad_norm in the config (clipping of unscaled gradients, per optimizer)",
     "print": "print() under if self.is_global_zero",
     "batch_idx": "self.state.batch_idx",
-    "estimated_stepping_batches": "self.num_training_steps",
+    "estimated_stepping_batches": (
+        "self.num_training_steps (None where Lightning's is inf or -1: no max_epochs nor max_steps, or a loader "
+        "without a length and no max_steps)"
+    ),
     "num_training_batches": "self.num_train_batches (this rank's batches per epoch, after limit_train_batches)",
     "max_epochs": "self.cfg.trainer.max_epochs",
     "max_steps": "self.cfg.trainer.max_steps",
@@ -126,6 +129,42 @@ def lightning_only_hooks(cls: type, base: type, hooks: dict[str, str]) -> list[s
                 continue
         found.append(name)
     return found
+
+
+# Lightning's callback classes that ampkit.callbacks has none of -> what does their work here, for the ImportError of
+# a ported ``from ampkit.callbacks import LearningRateMonitor``.
+LIGHTNING_CALLBACKS: dict[str, str] = {
+    "LearningRateMonitor": (
+        "the TensorBoard logger (logging.tensorboard), which writes each optimizer's learning rate as "
+        "train/lr/<optimizer> every logging.log_every_n_steps, and its momentum with logging.log_momentum=true"
+    ),
+    "Timer": "trainer.max_time, the MaxTime callback",
+    "ModelSummary": "the start banner, which counts the parameters (trainer.progress_bar)",
+    "RichModelSummary": "the start banner, which counts the parameters (trainer.progress_bar)",
+    "TQDMProgressBar": "ProgressBar (trainer.progress_bar): a bar in a terminal, plain lines otherwise",
+    "RichProgressBar": "ProgressBar (trainer.progress_bar): a bar in a terminal, plain lines otherwise",
+    "ThroughputMonitor": "Throughput (logging.throughput): samples/s, tokens/s, TFLOP/s and MFU",
+    "GradientAccumulationScheduler": "trainer.accumulate_grad_batches, one count for the whole run",
+    "LambdaCallback": "a Callback subclass that overrides the hooks it needs",
+    "BackboneFinetuning": (
+        "a hook of your own: in on_train_epoch_start, requires_grad_(True) and optimizer.add_param_group(...); "
+        "checkpoints restore both"
+    ),
+    "BaseFinetuning": (
+        "a hook of your own: in on_train_epoch_start, requires_grad_(True) and optimizer.add_param_group(...); "
+        "checkpoints restore both"
+    ),
+    "BasePredictionWriter": "trainer.predict(output=path), which saves the predictions (one file per rank)",
+    "Checkpoint": "ModelCheckpoint",
+}
+
+
+def missing_callback(module: str, name: str) -> ImportError:
+    """The error for ``module.name`` where ``name`` is one of Lightning's callbacks (:data:`LIGHTNING_CALLBACKS`):
+    an ImportError, as a ported ``from ampkit.callbacks import ...`` shows its message (an AttributeError's is
+    replaced by Python's own)."""
+    here = LIGHTNING_CALLBACKS[name]
+    return ImportError(f"cannot import name '{name}' from '{module}': it is Lightning's callback; here that is {here}")
 
 
 # What a Lightning logger's attributes are called on ``trainer.logger`` (ampkit's Logger), for a ported
