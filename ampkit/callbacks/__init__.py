@@ -111,6 +111,7 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
                     save_top_k=c.save_top_k,
                 )
             )
+        _set_by_config(callbacks[-1], "checkpoint.monitor")
     if cfg.trainer.max_time is not None:  # checked when the Trainer was built
         callbacks.append(MaxTime(duration_seconds(cfg.trainer.max_time)))
     if cfg.early_stopping.monitor:
@@ -127,7 +128,14 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
                     divergence_threshold=e.divergence_threshold,
                 )
             )
+        _set_by_config(callbacks[-1], "early_stopping.monitor")
     return callbacks
+
+
+def _set_by_config(callback: ModelCheckpoint | EarlyStopping, key: str) -> None:
+    """Messages about ``callback``'s monitor name config ``key``, which set it (one given in code names no key)."""
+    if callback.monitor is not None:
+        callback.monitor.setting = key
 
 
 def switched_on_by(callback: Callback) -> str | None:

@@ -62,7 +62,7 @@ class EarlyStopping(KeyedByMonitor):
         if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
             raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
         patience = interval_option(patience, "EarlyStopping: patience")
-        self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
+        self.monitor = Monitor(monitor, mode, min_delta)  # default_callbacks names the config key of the config's
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
             if value is not None and (
                 isinstance(value, bool)
