@@ -14,7 +14,7 @@ import pytest
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback, ConfigError, Phase
-from ampkit.callbacks import EarlyStopping
+from ampkit.callbacks import EarlyStopping, EarlyStoppingReason
 from ampkit.trainer.checkpoint_io import load_checkpoint
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False,
@@ -259,3 +259,40 @@ def test_check_finite_off_still_stops_an_infinite_value_past_a_threshold_as_ligh
     stopper = next(cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping))
     assert trainer.state.global_step == step and trainer.state.should_stop
     assert (stopper.best_score, stopper.wait_count) == (5.0, 3 if step == 4 else 0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "scores", "reason", "said"),
+    [
+        ({"early_stopping.patience": 2}, [5.0, 6.0, 6.0, 6.0], EarlyStoppingReason.PATIENCE_EXHAUSTED,
+         "did not improve"),
+        ({"early_stopping.stopping_threshold": 0.6}, [5.0, 3.0, 0.5], EarlyStoppingReason.STOPPING_THRESHOLD,
+         "stopping_threshold=0.6"),
+        ({"early_stopping.divergence_threshold": 8.0}, [1.0, 9.0], EarlyStoppingReason.DIVERGENCE_THRESHOLD,
+         "divergence_threshold=8.0"),
+        ({}, [1.0, 0.5, float("nan")], EarlyStoppingReason.NON_FINITE_METRIC, "not finite"),
+        ({"trainer.max_steps": 3}, [5.0, 4.0, 3.0], EarlyStoppingReason.NOT_STOPPED, None),
+    ],
+)  # fmt: skip
+def test_stopping_reason_and_its_message_say_which_rule_stopped_the_run_as_lightning_s_and_a_resume_keeps_them(
+    tmp_path, settings, scores, reason, said
+):
+    """Lightning's test of a port asserts ``early_stopping.stopping_reason`` (an ``EarlyStoppingReason``) and
+    ``stopping_reason_message`` after fit: neither existed. The pair is saved, so the stopped run resumed reads
+    alike."""
+    Scripted.scores = scores + [0.1] * 8
+    config = {**QUIET, "early_stopping.monitor": "val/score", "trainer.val_every_n_steps": 1,
+              "trainer.val_every_n_epochs": 0, **settings}  # fmt: skip
+
+    def stopper_after(resume=None) -> EarlyStopping:
+        trainer = Scripted(toy_cfg(tmp_path, **config))
+        trainer.fit(resume=resume)
+        return next(cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping))
+
+    for stopper in (stopper_after(), stopper_after(resume="last")):
+        assert stopper.stopping_reason is reason
+        if said is None:
+            assert stopper.stopping_reason_message is None and stopper.stopped_epoch == 0
+        else:
+            assert said in stopper.stopping_reason_message
+    assert EarlyStopping("val/loss").stopping_reason is EarlyStoppingReason.NOT_STOPPED

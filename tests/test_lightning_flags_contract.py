@@ -296,3 +296,28 @@ def test_a_lightning_callback_argument_is_refused_naming_what_does_its_work_here
     with pytest.raises((TypeError, ValueError)) as caught:  # a 0 is a value out of range, as for the config keys
         build()
     assert hint in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("LearningRateMonitor", "the TensorBoard logger (logging.tensorboard), which writes each optimizer's learning "
+                                "rate as train/lr/<optimizer>"),
+        ("Timer", "trainer.max_time"),
+        ("TQDMProgressBar", "ProgressBar (trainer.progress_bar)"),
+        ("GradientAccumulationScheduler", "trainer.accumulate_grad_batches"),
+    ],
+)  # fmt: skip
+def test_a_lightning_callback_ampkit_has_none_of_is_an_import_error_naming_what_does_its_work_here(name, hint):
+    """A port's ``from ampkit.callbacks import LearningRateMonitor`` met Python's bare 'cannot import name'; any other
+    missing name still reads as Python's, and ``getattr`` with a default still answers it."""
+    import ampkit.callbacks
+
+    with pytest.raises(ImportError, match=f"cannot import name '{name}' from 'ampkit.callbacks': it is Lightning's "):
+        exec(f"from ampkit.callbacks import {name}", {})
+    with pytest.raises(ImportError) as caught:
+        getattr(ampkit.callbacks, name)
+    assert hint in str(caught.value)
+    with pytest.raises(ImportError, match=r"^cannot import name 'NoSuchCallback' from 'ampkit.callbacks' \("):
+        exec("from ampkit.callbacks import NoSuchCallback", {})
+    assert getattr(ampkit.callbacks, "NoSuchCallback", None) is None

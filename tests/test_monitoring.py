@@ -11,7 +11,7 @@ import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback, ConfigError, Phase, consolidate_checkpoint
-from ampkit.callbacks import EarlyStopping
+from ampkit.callbacks import EarlyStopping, ModelCheckpoint
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.user_code import UserCodeError
 
@@ -263,6 +263,46 @@ def test_bad_monitor_settings_are_config_errors(tmp_path):
         KeyError, match=r"'early_stopping.monitor': 'val/acc' is not a metric of the validation at step 1"
     ):
         ToyTrainer(toy_cfg(tmp_path, **without_sanity)).fit()
+
+
+class CountsBatches(Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        self.batches += 1
+
+
+@pytest.mark.parametrize(
+    ("build", "said"),
+    [
+        (lambda: ModelCheckpoint(monitor="val/mse_typo"), "ModelCheckpoint(monitor='val/mse_typo'): monitors "
+                                                          "'val/mse_typo', which is not a validation metric; "
+                                                          "validation_step returns val/mse"),
+        (lambda: EarlyStopping("val/acc", mode="max"), "EarlyStopping(monitor='val/acc'): monitors 'val/acc'"),
+        (lambda: ModelCheckpoint(monitor="epoch", mode="max", save_top_k=2), "Lightning's 'epoch' and 'step' are its "
+                                                                            "loop counters, which no validation "
+                                                                            "returns here: to keep the newest k "
+                                                                            "checkpoints, give ModelCheckpoint no "
+                                                                            "monitor and keep_last=k"),
+    ],
+)  # fmt: skip
+def test_a_monitor_of_a_callback_given_in_code_is_checked_before_training_as_the_config_s_is(tmp_path, build, said):
+    """The sanity validation checked the config's monitors only: a Lightning port's ModelCheckpoint(monitor=...)
+    in callbacks=[...] with a name no validation returns failed after a whole epoch of training, its message naming
+    config key 'checkpoint.monitor', which the port never set."""
+    counts = CountsBatches()
+    with pytest.raises(ConfigError) as caught:
+        ToyTrainer(toy_cfg(tmp_path, **{**EVERY_STEP, "checkpoint.enabled": False}), callbacks=[build(), counts]).fit()
+    assert said in str(caught.value) and "config key" not in str(caught.value)
+    assert counts.batches == 0
+
+
+def test_a_monitor_given_in_code_that_a_validation_lacks_names_no_config_key(tmp_path):
+    without_sanity = {**EVERY_STEP, "trainer.num_sanity_val_steps": 0}
+    with pytest.raises(KeyError, match=r"monitor: 'val/acc' is not a metric of the validation at step 1") as caught:
+        ToyTrainer(toy_cfg(tmp_path, **without_sanity), callbacks=[EarlyStopping("val/acc")]).fit()
+    assert "config key" not in str(caught.value)
 
 
 class ScoreOnlyAtFirst(Scripted):

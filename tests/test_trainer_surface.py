@@ -44,11 +44,11 @@ def test_hooks_defined_on_the_subclass_run_after_the_callbacks(tmp_path):
 
 def test_a_misspelt_or_misshapen_hook_is_refused_before_anything_runs(tmp_path):
     class Misspelt(ToyTrainer):
-        def on_validation_epoch_end(self):
+        def on_validation_epoch_ends(self):
             pass
 
     with pytest.raises(
-        TypeError, match=r"Misspelt.on_validation_epoch_end is not a hook.*did you mean .*'on_validation_end'\?"
+        TypeError, match=r"Misspelt.on_validation_epoch_ends is not a hook.*did you mean .*'on_validation_end'\?"
     ):
         Misspelt(toy_cfg(tmp_path))
 
@@ -87,6 +87,30 @@ def test_a_lightning_module_hook_the_trainer_never_calls_is_refused_at_construct
     with pytest.raises(TypeError, match=re.escape(said)):
         trainer_class(toy_cfg(tmp_path, **QUIET))
     assert _OwnSetupHelper(toy_cfg(tmp_path, **QUIET)).setup() == 1
+
+
+@pytest.mark.parametrize(
+    ("hook", "said"),
+    [
+        ("on_validation_epoch_end", "here: on_validation_end, whose metrics are validation_step's means over the set"),
+        ("on_sanity_check_start", "here: on_validation_start, where trainer.state.stage == 'sanity'"),
+        ("on_before_batch_transfer", "here: the DataLoader's collate_fn, which runs before the Trainer moves the "
+                                     "batch"),
+        ("on_test_batch_end", "here: test_step itself: what it returns is averaged over the set"),
+        ("on_epoch_end", "here: on_train_epoch_end."),  # Lightning 1.x
+    ],
+)  # fmt: skip
+def test_a_lightning_hook_the_trainer_never_calls_names_what_does_its_work_not_a_near_name(tmp_path, hook, said):
+    """A Lightning callback's or module's on_... hook ampkit lacks was answered with the nearest names:
+    on_before_batch_transfer with 'did you mean on_before_backward', on_sanity_check_start with on_fit_start."""
+    as_callback = type("PortedCallback", (Callback,), {hook: lambda self, *args: None})
+    with pytest.raises(TypeError, match=re.escape(f"PortedCallback.{hook} is not a hook the Trainer calls; it is "
+                                                  f"Lightning's hook; {said}")) as caught:  # fmt: skip
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[as_callback()]).fit()
+    assert "did you mean" not in str(caught.value)
+    as_module = type("PortedModule", (ToyTrainer,), {hook: lambda self, *args: None})
+    with pytest.raises(TypeError, match=re.escape(said)):
+        as_module(toy_cfg(tmp_path, **QUIET))
 
 
 class _PortedCallbackSetup(Callback):

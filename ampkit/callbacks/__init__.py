@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -11,7 +12,7 @@ from ampkit.callbacks.checkpointing_report import CheckpointingReport
 from ampkit.callbacks.clipping import GradientClipping
 from ampkit.callbacks.compile_report import CompileReport
 from ampkit.callbacks.distributed import DistributedSync
-from ampkit.callbacks.early_stopping import EarlyStopping
+from ampkit.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
 from ampkit.callbacks.fp8 import Float8AllGatherScales, Float8Telemetry
 from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
@@ -34,6 +35,7 @@ __all__ = [
     "CompileReport",
     "DistributedSync",
     "EarlyStopping",
+    "EarlyStoppingReason",
     "Float8AllGatherScales",
     "Float8Telemetry",
     "GradientClipping",
@@ -51,6 +53,16 @@ __all__ = [
     "switched_on_by",
     "precision_callbacks",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A Lightning callback this module has none of (``LearningRateMonitor``) is an ImportError naming what does its
+    work here; any other missing name is Python's AttributeError."""
+    from ampkit.trainer.lightning_names import LIGHTNING_CALLBACKS, missing_callback
+
+    if name in LIGHTNING_CALLBACKS:
+        raise missing_callback(__name__, name)
+    raise AttributeError(f"module '{__name__}' has no attribute '{name}'", name=name, obj=sys.modules[__name__])
 
 
 def default_callbacks(trainer: Trainer) -> list[Callback]:
@@ -99,6 +111,7 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
                     save_top_k=c.save_top_k,
                 )
             )
+        _set_by_config(callbacks[-1], "checkpoint.monitor")
     if cfg.trainer.max_time is not None:  # checked when the Trainer was built
         callbacks.append(MaxTime(duration_seconds(cfg.trainer.max_time)))
     if cfg.early_stopping.monitor:
@@ -115,7 +128,14 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
                     divergence_threshold=e.divergence_threshold,
                 )
             )
+        _set_by_config(callbacks[-1], "early_stopping.monitor")
     return callbacks
+
+
+def _set_by_config(callback: ModelCheckpoint | EarlyStopping, key: str) -> None:
+    """Messages about ``callback``'s monitor name config ``key``, which set it (one given in code names no key)."""
+    if callback.monitor is not None:
+        callback.monitor.setting = key
 
 
 def switched_on_by(callback: Callback) -> str | None:

@@ -96,7 +96,8 @@ class ModelCheckpoint(KeyedByMonitor):
             )
         save_top_k = int(save_top_k)
         # 0 or "" was no monitor, silently (the config refuses a blank one)
-        self.monitor = None if monitor is None else Monitor(monitor, mode, key="checkpoint.monitor")
+        # default_callbacks names the config key of the config's
+        self.monitor = None if monitor is None else Monitor(monitor, mode)
         if save_top_k not in (1, -1) and self.monitor is None:
             raise ValueError(
                 f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "

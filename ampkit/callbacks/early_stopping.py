@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from enum import Enum
 from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -15,6 +16,16 @@ from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
 from ampkit.wording import beyond_float, counted, integer_digits
+
+
+class EarlyStoppingReason(Enum):
+    """Why an :class:`EarlyStopping` stopped the run (its ``stopping_reason``), by Lightning's names."""
+
+    NOT_STOPPED = "not_stopped"
+    STOPPING_THRESHOLD = "stopping_threshold"
+    DIVERGENCE_THRESHOLD = "divergence_threshold"
+    PATIENCE_EXHAUSTED = "patience_exhausted"
+    NON_FINITE_METRIC = "non_finite_metric"
 
 
 class EarlyStopping(KeyedByMonitor):
@@ -51,7 +62,7 @@ class EarlyStopping(KeyedByMonitor):
         if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
             raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
         patience = interval_option(patience, "EarlyStopping: patience")
-        self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
+        self.monitor = Monitor(monitor, mode, min_delta)  # default_callbacks names the config key of the config's
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
             if value is not None and (
                 isinstance(value, bool)
@@ -77,6 +88,9 @@ class EarlyStopping(KeyedByMonitor):
         self.best: float | None = None
         self.wait = 0
         self.stopped_epoch = 0  # Lightning's: the epoch (0-based) whose check stopped the run, 0 while none did
+        # Lightning's too: which rule stopped the run, and the line that said why (None while none did)
+        self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
+        self.stopping_reason_message: str | None = None
 
     @property
     def wait_count(self) -> int:
@@ -105,38 +119,52 @@ class EarlyStopping(KeyedByMonitor):
     def _check(self, trainer, value: float, check: str) -> None:
         """Count ``value`` against ``patience`` (``check``: what it counts, for the message), and stop if due."""
         # a value that stops the run at once is not counted, as in Lightning: a diverged one was taken as the best
-        reason = self._stop_at_once(value)
+        why, reason = self._stop_at_once(value)
         if reason is None and self.monitor.improves(value, self.best):
             self.best, self.wait = value, 0
         elif reason is None:
             self.wait += 1
             if self.wait >= self.patience:
                 checks = counted(self.wait, check)
+                why = EarlyStoppingReason.PATIENCE_EXHAUSTED
                 reason = f"{self.monitor.metric} did not improve on {self.best} for {checks}"
         if reason is None:
             return
+        self.stopping_reason, self.stopping_reason_message = why, reason
         reason = f"early stopping: {reason}"
         self.stopped_epoch = trainer.state.epoch
         trainer.state.should_stop, trainer.state.stop_reason = True, reason
         if trainer.is_global_zero:
             say(f"ampkit: {reason}, at step {trainer.state.global_step}")
 
-    def _stop_at_once(self, value: float) -> str | None:
-        """Why ``value`` ends the run whatever the patience (Lightning's order: non-finite, then each threshold)."""
+    def _stop_at_once(self, value: float) -> tuple[EarlyStoppingReason, str | None]:
+        """Which rule ends the run at ``value`` whatever the patience, and why (Lightning's order: non-finite, then
+        each threshold); ``NOT_STOPPED`` and None when none does."""
         metric = self.monitor.metric
         if not math.isfinite(value) and self.check_finite:  # else an inf is still past a threshold, as in Lightning
-            return (
+            return EarlyStoppingReason.NON_FINITE_METRIC, (
                 f"{metric} is {value}, not finite (best was {self.best}): the run diverged; set "
                 "early_stopping.check_finite=false to count it against patience instead"
             )
         if self.stopping_threshold is not None and self.monitor.better(value, self.stopping_threshold):
-            return f"{metric} = {value} reached early_stopping.stopping_threshold={self.stopping_threshold}"
+            return EarlyStoppingReason.STOPPING_THRESHOLD, (
+                f"{metric} = {value} reached early_stopping.stopping_threshold={self.stopping_threshold}"
+            )
         if self.divergence_threshold is not None and self.monitor.better(self.divergence_threshold, value):
-            return f"{metric} = {value} is past early_stopping.divergence_threshold={self.divergence_threshold}"
-        return None
+            return EarlyStoppingReason.DIVERGENCE_THRESHOLD, (
+                f"{metric} = {value} is past early_stopping.divergence_threshold={self.divergence_threshold}"
+            )
+        return EarlyStoppingReason.NOT_STOPPED, None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch, **self.monitor.state_dict()}
+        return {
+            "best": self.best,
+            "wait": self.wait,
+            "stopped_epoch": self.stopped_epoch,
+            "stopping_reason": self.stopping_reason.value,  # its value, a str: a weights_only load takes no Enum
+            "stopping_reason_message": self.stopping_reason_message,
+            **self.monitor.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The saved best value and count; a checkpoint of another monitor or mode starts counting afresh."""
@@ -149,3 +177,5 @@ class EarlyStopping(KeyedByMonitor):
             return
         self.best, self.wait = state["best"], state["wait"]
         self.stopped_epoch = state.get("stopped_epoch", 0)  # none in an older ampkit's checkpoint
+        self.stopping_reason = EarlyStoppingReason(state.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value))
+        self.stopping_reason_message = state.get("stopping_reason_message")  # as stopped_epoch

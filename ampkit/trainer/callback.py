@@ -210,7 +210,8 @@ class Callback:
         """While a checkpoint is assembled; may add entries."""
 
     def on_load_checkpoint(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
-        """While a checkpoint is restored, after the model, optimizers and callback states."""
+        """While a checkpoint is restored, after the model, optimizers and callback states (Lightning calls it before
+        them): an edit of ``checkpoint['model']`` here would change nothing, and is refused."""
 
     def on_train_end(self, trainer: Trainer) -> None:
         """After the last epoch."""

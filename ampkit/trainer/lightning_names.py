@@ -53,7 +53,10 @@ LIGHTNING_NAMES: dict[str, str] = {
     "clip_gradients": "trainer.clip_grad_norm in the config (clipping of unscaled gradients, per optimizer)",
     "print": "print() under if self.is_global_zero",
     "batch_idx": "self.state.batch_idx",
-    "estimated_stepping_batches": "self.num_training_steps",
+    "estimated_stepping_batches": (
+        "self.num_training_steps (None where Lightning's is inf or -1: no max_epochs nor max_steps, or a loader "
+        "without a length and no max_steps)"
+    ),
     "num_training_batches": "self.num_train_batches (this rank's batches per epoch, after limit_train_batches)",
     "max_epochs": "self.cfg.trainer.max_epochs",
     "max_steps": "self.cfg.trainer.max_steps",
@@ -105,6 +108,43 @@ LIGHTNING_CALLBACK_HOOKS: dict[str, str] = {
     "setup": "on_fit_start (a fit) and on_evaluation_setup (a standalone validate, test or predict)",
     "teardown": "on_fit_end, which runs at the end of every fit, also after an exception",
 }
+# Lightning's on_... hooks (a LightningModule's or a Callback's) the Trainer never calls -> what does their work here,
+# for the error that refuses one (a near name would guess wrong: on_before_batch_transfer is no on_before_backward).
+_EVAL_MODE = "nothing: the Trainer puts the model in eval mode to evaluate and back in train mode after"
+LIGHTNING_ON_HOOKS: dict[str, str] = {
+    "on_sanity_check_start": "on_validation_start, where trainer.state.stage == 'sanity' in the sanity validation",
+    "on_sanity_check_end": "on_validation_end, where trainer.state.stage == 'sanity' in the sanity validation",
+    "on_validation_epoch_start": "on_validation_start",
+    "on_validation_epoch_end": (
+        "on_validation_end, whose metrics are validation_step's means over the set (a value logged there may be "
+        "monitored)"
+    ),
+    "on_validation_batch_start": "validation_step itself (on_validation_batch_end runs after each batch)",
+    "on_test_epoch_start": "on_test_start",
+    "on_test_epoch_end": "on_test_end, whose metrics are test_step's means over the set",
+    "on_test_batch_start": "test_step itself",
+    "on_test_batch_end": "test_step itself: what it returns is averaged over the set, which on_test_end gets",
+    "on_predict_epoch_start": "on_predict_start",
+    "on_predict_epoch_end": "on_predict_end, which gets every batch's output",
+    "on_predict_batch_start": "predict_step itself",
+    "on_predict_batch_end": "predict_step itself: on_predict_end gets every batch's output",
+    "on_before_batch_transfer": "the DataLoader's collate_fn, which runs before the Trainer moves the batch",
+    "on_after_batch_transfer": "the step itself, which gets the batch on the device",
+    "on_validation_model_eval": _EVAL_MODE,
+    "on_validation_model_train": _EVAL_MODE,
+    "on_test_model_eval": _EVAL_MODE,
+    "on_test_model_train": _EVAL_MODE,
+    "on_validation_model_zero_grad": "nothing: evaluation runs under torch.no_grad() and leaves gradients alone",
+    "on_epoch_start": "on_train_epoch_start",  # Lightning 1.x
+    "on_epoch_end": "on_train_epoch_end",
+    "on_batch_start": "on_train_batch_start",
+    "on_batch_end": "on_train_batch_end",
+    "on_pretrain_routine_start": "on_fit_start",
+    "on_pretrain_routine_end": "on_fit_start",
+    "on_keyboard_interrupt": "on_exception, which gets the KeyboardInterrupt",
+    "on_init_start": "__init__",
+    "on_init_end": "__init__",
+}
 # Of these, names a class may use for a helper of its own: Lightning's only where they take Lightning's 'stage'.
 _TAKES_STAGE = ("setup", "teardown")
 
@@ -126,6 +166,42 @@ def lightning_only_hooks(cls: type, base: type, hooks: dict[str, str]) -> list[s
                 continue
         found.append(name)
     return found
+
+
+# Lightning's callback classes that ampkit.callbacks has none of -> what does their work here, for the ImportError of
+# a ported ``from ampkit.callbacks import LearningRateMonitor``.
+LIGHTNING_CALLBACKS: dict[str, str] = {
+    "LearningRateMonitor": (
+        "the TensorBoard logger (logging.tensorboard), which writes each optimizer's learning rate as "
+        "train/lr/<optimizer> every logging.log_every_n_steps, and its momentum with logging.log_momentum=true"
+    ),
+    "Timer": "trainer.max_time, the MaxTime callback",
+    "ModelSummary": "the start banner, which counts the parameters (trainer.progress_bar)",
+    "RichModelSummary": "the start banner, which counts the parameters (trainer.progress_bar)",
+    "TQDMProgressBar": "ProgressBar (trainer.progress_bar): a bar in a terminal, plain lines otherwise",
+    "RichProgressBar": "ProgressBar (trainer.progress_bar): a bar in a terminal, plain lines otherwise",
+    "ThroughputMonitor": "Throughput (logging.throughput): samples/s, tokens/s, TFLOP/s and MFU",
+    "GradientAccumulationScheduler": "trainer.accumulate_grad_batches, one count for the whole run",
+    "LambdaCallback": "a Callback subclass that overrides the hooks it needs",
+    "BackboneFinetuning": (
+        "a hook of your own: in on_train_epoch_start, requires_grad_(True) and optimizer.add_param_group(...); "
+        "checkpoints restore both"
+    ),
+    "BaseFinetuning": (
+        "a hook of your own: in on_train_epoch_start, requires_grad_(True) and optimizer.add_param_group(...); "
+        "checkpoints restore both"
+    ),
+    "BasePredictionWriter": "trainer.predict(output=path), which saves the predictions (one file per rank)",
+    "Checkpoint": "ModelCheckpoint",
+}
+
+
+def missing_callback(module: str, name: str) -> ImportError:
+    """The error for ``module.name`` where ``name`` is one of Lightning's callbacks (:data:`LIGHTNING_CALLBACKS`):
+    an ImportError, as a ported ``from ampkit.callbacks import ...`` shows its message (an AttributeError's is
+    replaced by Python's own)."""
+    here = LIGHTNING_CALLBACKS[name]
+    return ImportError(f"cannot import name '{name}' from '{module}': it is Lightning's callback; here that is {here}")
 
 
 # What a Lightning logger's attributes are called on ``trainer.logger`` (ampkit's Logger), for a ported

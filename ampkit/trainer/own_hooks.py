@@ -16,7 +16,12 @@ from typing import Any
 from torch import nn
 
 from ampkit.trainer.callback import HOOKS, Callback
-from ampkit.trainer.lightning_names import LIGHTNING_CALLBACK_HOOKS, LIGHTNING_MODULE_HOOKS, lightning_only_hooks
+from ampkit.trainer.lightning_names import (
+    LIGHTNING_CALLBACK_HOOKS,
+    LIGHTNING_MODULE_HOOKS,
+    LIGHTNING_ON_HOOKS,
+    lightning_only_hooks,
+)
 from ampkit.trainer.user_code import UserCodeError
 
 
@@ -41,6 +46,8 @@ def own_hooks(cls: type, base: type, takes_trainer: bool = False) -> list[str]:
     for name in sorted(defined - set(HOOKS)):
         close = difflib.get_close_matches(name, HOOKS, n=2)  # two: on_validation_epoch_end is near both val hooks
         hint = f"did you mean {' or '.join(repr(hook) for hook in close)}? " if close else ""
+        if name in LIGHTNING_ON_HOOKS:  # its name is no typo: say what does its work
+            hint = f"it is Lightning's hook; here: {LIGHTNING_ON_HOOKS[name]}. "
         raise UserCodeError(
             f"{cls.__name__}.{name} is not a hook the Trainer calls; {hint}hooks: {', '.join(HOOKS)}. "
             "Rename a helper method that is not meant as a hook."

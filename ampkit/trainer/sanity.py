@@ -192,7 +192,7 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
     restore_rng(rng)
     # A tag an on_validation_end hook logs is monitored as a validation metric; the sanity pass's are no run's values.
     logged, trainer.validation_end_values = trainer.validation_end_values, {}
-    monitored = monitored_metrics(trainer.cfg)
+    monitored = {**monitored_metrics(trainer.cfg), **monitors_given_in_code(trainer.callbacks)}
     for spec in trainer._specs:
         for sched in spec.schedulers:
             if sched.monitor is not None and sched.strict and not is_training_metric(sched.monitor):
@@ -216,7 +216,33 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
                 + f" (checked before training on {checked}, trainer.num_sanity_val_steps="
                 f"{t.num_sanity_val_steps}{later}); or log it in on_validation_end with self.log('{metric}', value)"
                 + (_TRAINING_HINT if "." in key else "")
+                + (_COUNTER_HINT if metric in ("epoch", "step") else "")
             )
+
+
+# Lightning adds its loop counters to what a ModelCheckpoint may monitor: monitor='epoch', mode='max' keeps the newest.
+_COUNTER_HINT = (
+    "; Lightning's 'epoch' and 'step' are its loop counters, which no validation returns here: to keep the newest k "
+    "checkpoints, give ModelCheckpoint no monitor and keep_last=k (checkpoint.keep_last), with every_n_epochs or "
+    "every_n_steps"
+)
+
+
+def monitors_given_in_code(callbacks: list[Any]) -> dict[str, str]:
+    """The validation metrics a ModelCheckpoint or EarlyStopping given in code (or by ``configure_callbacks``)
+    monitors, by how a message names it (``ModelCheckpoint(monitor='val/acc')``): checked as the config's are, so a
+    misspelt one is found before training rather than at the first validation."""
+    from ampkit.callbacks.monitor import KeyedByMonitor  # lazily: it reads this module's is_training_metric
+
+    return {
+        f"{cb.name}(monitor='{cb.monitor.metric}')": cb.monitor.metric
+        for cb in callbacks
+        # the config's name their config key and are checked as such; a train/ one needs no validation
+        if isinstance(cb, KeyedByMonitor)
+        and cb.monitor is not None
+        and cb.monitor.setting is None
+        and not cb.monitor.per_epoch
+    }
 
 
 def sanity_batches(num_sanity_val_steps: int, limit_val_batches: int | None) -> int | None:

@@ -96,6 +96,7 @@ from ampkit.trainer.batch_layout import (
 from ampkit.trainer.callback import HOOKS, Callback, Phase, run_order
 from ampkit.trainer.callback_states import states_to_load
 from ampkit.trainer.calling_context import grad_mode_for_training, refuse_outer_autocast
+from ampkit.trainer.checkpoint_hooks import fire_checkpoint_hook, weights_loaded_before
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -2531,7 +2532,7 @@ class Trainer:
         if not self.sharded:
             checkpoint["model"] = self.module.state_dict()
             checkpoint["optimizers"] = {spec.name: spec.optimizer.state_dict() for spec in self._specs}
-        self.fire("on_save_checkpoint", checkpoint)
+        fire_checkpoint_hook(self.fire, "on_save_checkpoint", checkpoint)
         return checkpoint
 
     def _master_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -2642,7 +2643,8 @@ class Trainer:
         not_restored = rng_not_restored(checkpoint["rng"])  # said once here: a resume restores its RNGs several times
         if not_restored:
             rank_zero_warn(f"checkpoint '{path}': {not_restored}")
-        self.fire("on_load_checkpoint", checkpoint)
+        with weights_loaded_before(checkpoint):
+            fire_checkpoint_hook(self.fire, "on_load_checkpoint", checkpoint)
 
     def _load_weights(self, path: Path, checkpoint: dict[str, Any] | None = None) -> None:
         """The model weights of a checkpoint file or sharded directory, for validate/test/predict; ``checkpoint``: the
