@@ -310,14 +310,20 @@ def test_a_lightning_callback_argument_is_refused_naming_what_does_its_work_here
 )  # fmt: skip
 def test_a_lightning_callback_ampkit_has_none_of_is_an_import_error_naming_what_does_its_work_here(name, hint):
     """A port's ``from ampkit.callbacks import LearningRateMonitor`` met Python's bare 'cannot import name'; any other
-    missing name still reads as Python's, and ``getattr`` with a default still answers it."""
+    missing name still reads as Python's. Outside an import the name is a missing attribute as any other:
+    ``hasattr`` is False and ``getattr`` with a default answers it, as code probing for a callback expects."""
     import ampkit.callbacks
 
-    with pytest.raises(ImportError, match=f"cannot import name '{name}' from 'ampkit.callbacks': it is Lightning's "):
+    with pytest.raises(
+        ImportError, match=f"cannot import name '{name}' from 'ampkit.callbacks': it is Lightning's "
+    ) as caught:
         exec(f"from ampkit.callbacks import {name}", {})
-    with pytest.raises(ImportError) as caught:
+    assert hint in str(caught.value)
+    with pytest.raises(AttributeError, match=f"no attribute '{name}': it is Lightning's callback") as caught:
         getattr(ampkit.callbacks, name)
     assert hint in str(caught.value)
+    assert not hasattr(ampkit.callbacks, name)
+    assert getattr(ampkit.callbacks, name, None) is None
     with pytest.raises(ImportError, match=r"^cannot import name 'NoSuchCallback' from 'ampkit.callbacks' \("):
         exec("from ampkit.callbacks import NoSuchCallback", {})
     assert getattr(ampkit.callbacks, "NoSuchCallback", None) is None

@@ -56,12 +56,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """A Lightning callback this module has none of (``LearningRateMonitor``) is an ImportError naming what does its
-    work here; any other missing name is Python's AttributeError."""
+    """A Lightning callback this module has none of (``LearningRateMonitor``) is an error naming what does its work
+    here: an ImportError in a ``from ... import``, an AttributeError elsewhere, so ``hasattr`` and ``getattr`` with a
+    default still answer as for any missing name."""
     from ampkit.trainer.lightning_names import LIGHTNING_CALLBACKS, missing_callback
 
     if name in LIGHTNING_CALLBACKS:
-        raise missing_callback(__name__, name)
+        raise missing_callback(__name__, name, importing=sys._getframe(1).f_code.co_name == "_handle_fromlist")
     raise AttributeError(f"module '{__name__}' has no attribute '{name}'", name=name, obj=sys.modules[__name__])
 
 
