@@ -319,7 +319,7 @@ def test_a_lightning_callback_ampkit_has_none_of_is_an_import_error_naming_what_
     ) as caught:
         exec(f"from ampkit.callbacks import {name}", {})
     assert hint in str(caught.value)
-    with pytest.raises(AttributeError, match=f"no attribute '{name}': it is Lightning's callback") as caught:
+    with pytest.raises(AttributeError, match=f"'{name}' from 'ampkit.callbacks': it is Lightning's callback") as caught:
         getattr(ampkit.callbacks, name)
     assert hint in str(caught.value)
     assert not hasattr(ampkit.callbacks, name)

@@ -59,10 +59,16 @@ def __getattr__(name: str) -> object:
     """A Lightning callback this module has none of (``LearningRateMonitor``) is an error naming what does its work
     here: an ImportError in a ``from ... import``, an AttributeError elsewhere, so ``hasattr`` and ``getattr`` with a
     default still answer as for any missing name."""
-    from ampkit.trainer.lightning_names import LIGHTNING_CALLBACKS, missing_callback
+    from ampkit.missing_name import missing_name
+    from ampkit.trainer.lightning_names import LIGHTNING_CALLBACKS
 
     if name in LIGHTNING_CALLBACKS:
-        raise missing_callback(__name__, name, importing=sys._getframe(1).f_code.co_name == "_handle_fromlist")
+        here = LIGHTNING_CALLBACKS[name]
+        raise missing_name(
+            f"cannot import name '{name}' from '{__name__}': it is Lightning's callback; here that is {here}",
+            __name__,
+            name,
+        )
     raise AttributeError(f"module '{__name__}' has no attribute '{name}'", name=name, obj=sys.modules[__name__])
 
 

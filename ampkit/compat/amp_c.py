@@ -28,7 +28,7 @@ from ampkit.compat._amp_c_lamb import (
     switch_args,
 )
 from ampkit.compat._pybind_numbers import pybind_numbers
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 from ampkit.ops import multi_tensor
 from ampkit.ops.optimizers._base import decay_weights_
 from ampkit.ops.optimizers._kernels import op

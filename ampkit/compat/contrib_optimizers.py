@@ -10,7 +10,7 @@ from typing import Any
 from ampkit.compat._unserved import unserved_advice
 from ampkit.compat.legacy_fused_adam import FP16_Optimizer
 from ampkit.compat.legacy_fused_adam import LegacyFusedAdam as FusedAdam
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 
 __all__ = ["FP16_Optimizer", "FusedAdam"]
 

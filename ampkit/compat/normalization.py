@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 from ampkit.ops._dtypes import accumulate_dtype
 
 _TARGET_MODULE = "ampkit.ops.norms"

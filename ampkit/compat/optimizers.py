@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 
 _TARGET_MODULE = "ampkit.ops.optimizers"
 _APEX_NAMES = (

@@ -24,7 +24,7 @@ from typing import Any
 
 from ampkit.compat import _pkg_resources
 from ampkit.compat._unserved import EMPTY_PACKAGES, unserved_advice
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 
 APEX_SUBPACKAGES = {
     "amp": "ampkit.compat.amp",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -195,25 +194,6 @@ LIGHTNING_CALLBACKS: dict[str, str] = {
     "BasePredictionWriter": "trainer.predict(output=path), which saves the predictions (one file per rank)",
     "Checkpoint": "ModelCheckpoint",
 }
-
-
-def missing_callback(module: str, name: str, *, importing: bool) -> ImportError | AttributeError:
-    """The error for ``module.name`` where ``name`` is one of Lightning's callbacks (:data:`LIGHTNING_CALLBACKS`).
-
-    ``importing`` (a ``from module import name``, which Python answers through importlib's ``_handle_fromlist``): an
-    ImportError, since Python replaces an AttributeError's message there by its own; otherwise an AttributeError, the
-    error ``hasattr`` and ``getattr(module, name, default)`` expect of a missing name."""
-    here = LIGHTNING_CALLBACKS[name]
-    if importing:
-        return ImportError(
-            f"cannot import name '{name}' from '{module}': it is Lightning's callback; here that is {here}",
-            name=module,
-        )
-    return AttributeError(
-        f"module '{module}' has no attribute '{name}': it is Lightning's callback; here that is {here}",
-        name=name,
-        obj=sys.modules[module],
-    )
 
 
 # What a Lightning logger's attributes are called on ``trainer.logger`` (ampkit's Logger), for a ported

@@ -34,7 +34,7 @@ from ampkit.compat.amp.functions import (
     register_promote_function,
 )
 from ampkit.compat.amp.handle import AmpHandle, NoOpHandle, init, scale_loss
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 
 __all__ = [
     "AmpHandle",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ampkit.compat.amp.scaler import stashed_scales
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 
 __all__ = ["post_backward_models_are_masters"]
 

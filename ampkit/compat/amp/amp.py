@@ -18,7 +18,7 @@ from ampkit.compat.amp.functions import (
 )
 from ampkit.compat.amp.handle import AmpHandle, NoOpHandle, init
 from ampkit.compat.amp.lists import functional_overrides, tensor_overrides, torch_overrides  # noqa: F401 - Apex's
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 
 __all__ = [
     "AmpHandle",

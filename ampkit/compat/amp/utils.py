@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 
 __all__ = [
     "as_inplace",

@@ -17,7 +17,7 @@ from ampkit.compat.fp16_utils.fp16util import (
     tofp16,
 )
 from ampkit.compat.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
-from ampkit.compat.missing_name import missing_name
+from ampkit.missing_name import missing_name
 
 __all__ = [
     "BN_convert_float",

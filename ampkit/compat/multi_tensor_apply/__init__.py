@@ -2,8 +2,8 @@
 
 from typing import Any
 
-from ampkit.compat.missing_name import missing_name
 from ampkit.compat.multi_tensor_apply.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
+from ampkit.missing_name import missing_name
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier"]
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch.distributed
 
 from ampkit.compat._exported_names import keep_exported_names
-from ampkit.compat.missing_name import missing_name
 from ampkit.compat.parallel.distributed import DistributedDataParallel, Reducer
 from ampkit.compat.parallel.larc import LARC
 from ampkit.compat.parallel.sync_batchnorm import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group
+from ampkit.missing_name import missing_name
 
 ReduceOp = torch.distributed.ReduceOp  # Apex re-exported torch's
 

@@ -1,4 +1,5 @@
-"""The error a served Apex module's ``__getattr__`` raises for a name it lacks, kept under ``from apex.x import y``."""
+"""The error a module's ``__getattr__`` raises for a name it lacks (a served Apex module's, a Lightning callback's),
+kept under ``from module import name``."""
 
 from __future__ import annotations
 
