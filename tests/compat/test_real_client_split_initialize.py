@@ -1,0 +1,129 @@
+"""Programs that call ``amp.initialize`` in two halves, one program per test (written here after the projects' own
+code, CPU-sized): ColossalAI's nanoGPT benchmark (2023) initializes its model alone with ``num_losses=0``, builds the
+optimizer over the cast parameters (after its DDP or FSDP wrap), initializes that optimizer with a
+``torch.nn.Identity()`` in a second call, and swaps the scaler that call made for a subclass of
+``apex.amp.scaler.LossScaler`` built from the old one's settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+
+@pytest.fixture
+def shim():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
+def _gpt_like(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+
+
+def _benchmark_run(level: int, steps: int, overflow_at: int | None = None) -> tuple[list[float], list[float], dict]:
+    """The benchmark's set-up and loop: model-only ``initialize`` (``num_losses=0``, ``cast_model_type`` only from O2),
+    the optimizer's own ``initialize`` beside an Identity, the scaler replaced, two micro-batches per step each in
+    ``scale_loss``, the masters clipped, the learning rate written into the groups."""
+    import apex.amp as amp
+    from apex.amp import _amp_state
+    from apex.amp.scaler import LossScaler
+
+    class GradScaler(LossScaler):
+        """The benchmark's scaler: Apex's positional constructor, plus a process group to agree overflows in."""
+
+        def __init__(self, loss_scale, process_group=None, init_scale=2.0**16, scale_factor=2.0, scale_window=2000,
+                     min_loss_scale=None, max_loss_scale=2.0**24):  # fmt: skip
+            super().__init__(loss_scale, init_scale, scale_factor, scale_window, min_loss_scale, max_loss_scale)
+            self.process_group = process_group
+
+    model = _gpt_like(seed=0)
+    _amp_state.allow_incoming_model_not_fp32 = False
+    model = amp.initialize(
+        model,
+        opt_level=f"O{level}",
+        cast_model_type=torch.float16 if level >= 2 else None,
+        num_losses=0,
+        verbosity=0,
+    )
+    assert isinstance(model, torch.nn.Module) and _amp_state.loss_scalers == []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=1e-2)
+    _, optimizer = amp.initialize(torch.nn.Identity(), optimizer, opt_level=f"O{level}", verbosity=0)
+    old = amp._amp_state.loss_scalers[0]
+    amp._amp_state.loss_scalers[0] = GradScaler(
+        loss_scale="dynamic" if old.dynamic else old._loss_scale,
+        max_loss_scale=old._max_loss_scale,
+        min_loss_scale=old._min_loss_scale,
+    )
+    losses, scales = [], []
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-2 * (step + 1) / steps
+        optimizer.zero_grad()
+        step_loss = 0.0
+        for micro in range(2):
+            g = torch.Generator().manual_seed(100 * step + micro)
+            x, y = torch.randn(8, 4, generator=g), 0.1 * torch.randn(8, 1, generator=g)
+            loss = F.mse_loss(model(x).float(), y) / 2
+            if step == overflow_at and micro == 1:
+                loss = loss * float("inf")
+            step_loss += loss.item()
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
+        optimizer.step()
+        losses.append(step_loss)
+        scales.append(amp._amp_state.loss_scalers[0].loss_scale())
+    return losses, scales, amp.state_dict()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_colossalai_gpt_benchmark_initializes_the_model_with_no_scaler_and_the_optimizer_in_a_second_call(shim, level):
+    """Apex's ``range(0)`` made no scaler for the model-only call (ampkit refused ``num_losses=0``); the second call's
+    scaler, replaced by the benchmark's subclass, is the one ``scale_loss`` scales and backs off with: an overflow
+    halves it and skips that step, and training follows the float32 run of the same loop."""
+    import apex.amp as amp
+
+    reference = _gpt_like(seed=0)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=1e-2)
+    ref_losses = []
+    for step in range(4):
+        for group in ref_optimizer.param_groups:
+            group["lr"] = 1e-2 * (step + 1) / 4
+        ref_optimizer.zero_grad()
+        total = 0.0
+        for micro in range(2):
+            g = torch.Generator().manual_seed(100 * step + micro)
+            x, y = torch.randn(8, 4, generator=g), 0.1 * torch.randn(8, 1, generator=g)
+            loss = F.mse_loss(reference(x), y) / 2
+            total += loss.item()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_optimizer.step()
+        ref_losses.append(total)
+
+    losses, scales, state = _benchmark_run(level, steps=4)
+    assert scales == [2.0**16] * 4 and state == {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 8}}
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-2, atol=2e-3)
+
+    losses, scales, state = _benchmark_run(level, steps=3, overflow_at=1)
+    assert type(amp._amp_state.loss_scalers[0]).__name__ == "GradScaler"
+    assert scales == [2.0**16, 2.0**15, 2.0**15] and state["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 2}
+
+
+def test_scale_loss_after_a_model_only_initialize_names_num_losses_zero(shim):
+    """With no scaler (``num_losses=0`` and no later ``initialize``), Apex's ``scale_loss`` failed indexing an empty
+    list; the error says why and what to pass."""
+    import apex.amp as amp
+
+    model = amp.initialize(_gpt_like(seed=0), opt_level="O1", num_losses=0, verbosity=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer._amp_stash = None  # never reached: the missing scaler is named first
+    with pytest.raises(IndexError, match=r"loss_id=0: amp.initialize was called with num_losses=0, so there is no"):
+        with amp.scale_loss(model(torch.randn(2, 4)).sum(), optimizer):
+            pass
+    assert amp.state_dict() == {}
