@@ -127,3 +127,85 @@ def test_scale_loss_after_a_model_only_initialize_names_num_losses_zero(shim):
         with amp.scale_loss(model(torch.randn(2, 4)).sum(), optimizer):
             pass
     assert amp.state_dict() == {}
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_colossalai_gpt_benchmark_scaler_agrees_the_overflow_in_its_own_unscale(shim, level):
+    """The benchmark's scaler overrides ``unscale`` and ``unscale_with_stashed``: each calls Apex's, then all-reduces
+    ``_overflow_buf`` (MAX) over the model-parallel group and sets ``_has_overflow`` from it. amp called neither, so an
+    overflow on another rank was never seen here: this rank stepped while that one skipped. Here the other rank's flag
+    stands in for the all-reduce; the step it overflowed is skipped on this rank too, and the scale halves."""
+    import apex.amp as amp
+    from apex.amp.scaler import LossScaler
+
+    other_rank = {"overflowed": 0}  # its verdict for the backward under way
+    seen: list[tuple[str, list[torch.dtype], list[torch.dtype]]] = []
+
+    class GradScaler(LossScaler):
+        def _agree(self) -> None:
+            flag = torch.tensor([other_rank["overflowed"]], dtype=self._overflow_buf.dtype)
+            self._overflow_buf.copy_(torch.maximum(self._overflow_buf, flag))  # all_reduce(MAX) over the ranks
+            self._has_overflow = self._overflow_buf.item()
+
+        def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False):
+            seen.append(("unscale", [g.dtype for g in model_grads], [g.dtype for g in master_grads]))
+            super().unscale(model_grads, master_grads, unused_scale, models_are_masters)
+            self._agree()
+
+        def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads):
+            seen.append(("stashed", [g.dtype for g in model_grads], [g.dtype for g in master_grads]))
+            super().unscale_with_stashed(model_grads, stashed_master_grads, master_grads)
+            self._agree()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    model = amp.initialize(
+        model, opt_level=f"O{level}", cast_model_type=torch.float16 if level >= 2 else None, num_losses=0, verbosity=0
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, optimizer = amp.initialize(torch.nn.Identity(), optimizer, opt_level=f"O{level}", verbosity=0)
+    amp._amp_state.loss_scalers[0] = GradScaler("dynamic")
+    weights = []
+    for step, other in enumerate((0, 1, 0)):
+        optimizer.zero_grad()
+        for micro in range(2):
+            other_rank["overflowed"] = other if micro == 1 else 0
+            g = torch.Generator().manual_seed(100 * step + micro)
+            loss = F.mse_loss(model(torch.randn(8, 4, generator=g)).float(), 0.1 * torch.randn(8, 1, generator=g))
+            with amp.scale_loss(loss / 2, optimizer) as scaled_loss:
+                scaled_loss.backward()
+        optimizer.step()
+        weights.append([p.detach().clone() for p in amp.master_params(optimizer)])
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[1], strict=True))  # skipped, as the other rank
+    assert not all(torch.equal(a, b) for a, b in zip(weights[1], weights[2], strict=True))
+    half, single = [torch.float16] * 4, [torch.float32] * 2
+    if level == 2:  # Apex's O2: the fp16 grads onto their fp32 masters, then the batch norm's (fp32, its own masters),
+        # whose grads zero_grad zeroes in place after the first step (the masters' it sets to None)
+        first = [("unscale", half, [torch.float32] * 4), ("unscale", single, single)]
+        later = [("unscale", half, [torch.float32] * 4), ("stashed", single, single)]
+        accumulated = [("stashed", half, [torch.float32] * 4), ("stashed", single, single)]
+        assert seen == first + accumulated + (later + accumulated) * 2
+    else:  # O1: every param is its own master; torch's zero_grad sets the grads to None
+        assert seen == [("unscale", single * 3, single * 3), ("stashed", single * 3, single * 3)] * 3
+
+
+def test_a_scaler_with_its_own_unscale_under_combine_grad_is_refused_naming_it(shim):
+    """combine_grad's flat buffers are unscaled by amp's own only: a scaler whose unscale is the script's would be
+    passed over there, so ``scale_loss`` refuses, names it, and gives the gradients from before the backward back."""
+    import apex.amp as amp
+    from apex.amp.scaler import LossScaler
+
+    class AgreeingScaler(LossScaler):
+        def unscale(self, *args, **kwargs):
+            super().unscale(*args, **kwargs)
+
+    model = _gpt_like(seed=0)
+    model, optimizer = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", combine_grad=True, verbosity=0
+    )
+    amp._amp_state.loss_scalers[0] = AgreeingScaler("dynamic")
+    with pytest.raises(RuntimeError, match=r"AgreeingScaler.unscale or unscale_with_stashed is the script's own"):
+        with amp.scale_loss(model(torch.randn(2, 4)).sum(), optimizer) as scaled_loss:
+            scaled_loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

@@ -19,6 +19,7 @@ from ampkit.amp.grad_combine import CombineResult
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp._param_lists import MasterGroups, params_of_dtype
 from ampkit.compat.amp.functions import disable_casts
+from ampkit.compat.amp.scaler import unscales_its_own_way
 
 _MASTER_STATE_KEY = "ampkit_master_weights"
 
@@ -308,6 +309,9 @@ class AmpOptimizerStash:
         scaler's ``_overflow_buf``). A replacement that unscaled by itself, without amp's own, gets the gradients
         stashed before the backward added back to what it left, as Apex's stash of them was."""
         if not self.replaced("_post_amp_backward"):
+            if unscales_its_own_way(scaler):
+                self._unscale_through(scaler)
+                return None
             return self.combine(scaler).found_inf
         self.optimizer._post_amp_backward(scaler)
         if self.combiner.pending:
@@ -323,6 +327,49 @@ class AmpOptimizerStash:
             self.combiner.release()
             self._settle_kept_model_grads()
         return None
+
+    def _unscale_through(self, scaler: Any) -> None:
+        """Apex's post-backward, through ``scaler.unscale`` and ``scaler.unscale_with_stashed`` as Apex called them
+        (for a script's subclass or patch of them: ColossalAI's benchmark all-reduces the overflow flag there, across
+        its model-parallel ranks): new gradients of parameters with a float32 master, then those that are their own
+        masters, each first onto nothing stashed, then onto the stash. The verdict is left in the scaler."""
+        if self.combine_grad:  # known before the backward's gradients are touched: scale_loss gives them back
+            raise RuntimeError(
+                f"{type(scaler).__name__}.unscale or unscale_with_stashed is the script's own, but with "
+                "combine_grad=True the flat gradient buffers are unscaled by amp's own only; initialize without "
+                "combine_grad, or leave the scaler's unscale methods as they are"
+            )
+        self.lazy_init()
+        self.pending_scale = None
+        combiner = self.combiner
+        stashes = combiner.take_stash()
+        lists: dict[bool, tuple[list[torch.Tensor], ...]] = {own: ([], [], [], [], []) for own in (False, True)}
+        for param, owner, stashed in zip(combiner.params, combiner.grad_owners, stashes, strict=True):
+            grad = param.grad
+            if grad is None:
+                if stashed is not None:
+                    param.grad = stashed
+                continue
+            own = owner is param
+            new_in, new_out, with_in, with_stash, with_out = lists[own]
+            before = stashed if own else owner.grad
+            if before is None:
+                out = grad if own else torch.empty_like(owner)
+                if not own:
+                    owner.grad = out
+                new_in.append(grad)
+                new_out.append(out)
+            else:
+                with_in.append(grad)
+                with_stash.append(before)
+                with_out.append(grad if own else before)
+        for own in (False, True):  # Apex's order: the fp16 params' masters, then the fp32 params
+            new_in, new_out, with_in, with_stash, with_out = lists[own]
+            if new_in:
+                scaler.unscale(new_in, new_out, scaler.loss_scale(), models_are_masters=own)
+            if with_in:
+                scaler.unscale_with_stashed(with_in, with_stash, with_out)
+        self._settle_kept_model_grads()
 
     def drop_backward(self) -> None:
         """Drop the gradients of a prepared backward that cannot be unscaled: ``.grad`` are back as they were before
