@@ -209,3 +209,31 @@ def test_a_scaler_with_its_own_unscale_under_combine_grad_is_refused_naming_it(s
         with amp.scale_loss(model(torch.randn(2, 4)).sum(), optimizer) as scaled_loss:
             scaled_loss.backward()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_a_copied_scale_loss_calling_post_amp_backward_unscales_through_the_scripts_scaler(shim):
+    """Code that copied Apex's ``scale_loss`` calls ``optimizer._post_amp_backward(loss_scaler)`` itself; Apex's
+    unscaled through ``loss_scaler.unscale``, so the benchmark's scaler agrees its overflow there too: an overflow only
+    the other rank had skips this rank's step."""
+    import apex.amp as amp
+    from apex.amp.scaler import LossScaler
+
+    calls = []
+
+    class GradScaler(LossScaler):
+        def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False):
+            calls.append(len(model_grads))
+            super().unscale(model_grads, master_grads, unused_scale, models_are_masters)
+            self._overflow_buf.fill_(1)  # the other rank's overflow, through the all-reduce
+            self._has_overflow = self._overflow_buf.item()
+
+    model = _gpt_like(seed=0)
+    model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    loss_scaler = amp._amp_state.loss_scalers[0] = GradScaler("dynamic")
+    optimizer._prepare_amp_backward()
+    loss = F.mse_loss(model(torch.randn(8, 4)).float(), torch.zeros(8, 1)) * 1e-3
+    (loss * loss_scaler.loss_scale()).backward()
+    loss_scaler.clear_overflow_state()
+    optimizer._post_amp_backward(loss_scaler)
+    assert calls == [6] and loss_scaler.update_scale() is True and loss_scaler.loss_scale() == 2.0**15
+    assert all(torch.isfinite(p.grad).all() for p in amp.master_params(optimizer))  # this rank's own were clean

@@ -309,10 +309,7 @@ class AmpOptimizerStash:
         scaler's ``_overflow_buf``). A replacement that unscaled by itself, without amp's own, gets the gradients
         stashed before the backward added back to what it left, as Apex's stash of them was."""
         if not self.replaced("_post_amp_backward"):
-            if unscales_its_own_way(scaler):
-                self._unscale_through(scaler)
-                return None
-            return self.combine(scaler).found_inf
+            return self.unscale_backward(scaler)
         self.optimizer._post_amp_backward(scaler)
         if self.combiner.pending:
             if self.combine_grad:  # known only now that it returned: scale_loss drops the backward's gradients
@@ -327,6 +324,15 @@ class AmpOptimizerStash:
             self.combiner.release()
             self._settle_kept_model_grads()
         return None
+
+    def unscale_backward(self, scaler: Any) -> torch.Tensor | None:
+        """amp's own post-backward: the backward's gradients unscaled onto the stash by amp (its unsynced found_inf flag
+        returned), or through the scaler's ``unscale`` methods where they are a script's (None: the verdict is in the
+        scaler, as Apex's methods left it)."""
+        if unscales_its_own_way(scaler):
+            self._unscale_through(scaler)
+            return None
+        return self.combine(scaler).found_inf
 
     def _unscale_through(self, scaler: Any) -> None:
         """Apex's post-backward, through ``scaler.unscale`` and ``scaler.unscale_with_stashed`` as Apex called them
@@ -538,7 +544,9 @@ class AmpOptimizerStash:
             stash.prepare_backward()
 
         def post_amp_backward(self: Any, loss_scaler: Any) -> None:
-            loss_scaler.flag_overflow(stash.combine(loss_scaler).found_inf)  # read by loss_scaler.update_scale()
+            flag = stash.unscale_backward(loss_scaler)
+            if flag is not None:
+                loss_scaler.flag_overflow(flag)  # read by loss_scaler.update_scale()
 
         def amp_lazy_init(self: Any) -> None:
             stash.own_lazy_init(stash._lazy_take_over)

@@ -231,4 +231,5 @@ _OWN_UNSCALES = {"unscale": ApexLossScaler.unscale, "unscale_with_stashed": Apex
 def unscales_its_own_way(scaler: Any) -> bool:
     """Whether ``scaler``'s ``unscale`` or ``unscale_with_stashed`` is a script's (a subclass's override, a patch of
     the class or of the one scaler): amp's ``scale_loss`` then unscales through them, as Apex's post-backward did."""
-    return any(getattr(getattr(scaler, name), "__func__", None) is not own for name, own in _OWN_UNSCALES.items())
+    methods = ((getattr(scaler, name, None), own) for name, own in _OWN_UNSCALES.items())
+    return any(method is not None and getattr(method, "__func__", None) is not own for method, own in methods)
