@@ -1,10 +1,13 @@
-"""Programs that call ``amp.initialize`` in two halves, one program per test (written here after the projects' own
+"""Programs that call ``amp.initialize`` more than once, one program per test (written here after the projects' own
 code, CPU-sized): ColossalAI's nanoGPT benchmark (2023) initializes its model alone with ``num_losses=0``, builds the
 optimizer over the cast parameters (after its DDP or FSDP wrap), initializes that optimizer with a
 ``torch.nn.Identity()`` in a second call, and swaps the scaler that call made for a subclass of
-``apex.amp.scaler.LossScaler`` built from the old one's settings."""
+``apex.amp.scaler.LossScaler`` built from the old one's settings; a Facebook Lightning task mixin (2021) sets an
+O1 model up again after Lightning restored a checkpoint, carrying the optimizer and ``amp.state_dict()`` across."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
@@ -237,3 +240,67 @@ def test_a_copied_scale_loss_calling_post_amp_backward_unscales_through_the_scri
     optimizer._post_amp_backward(loss_scaler)
     assert calls == [6] and loss_scaler.update_scale() is True and loss_scaler.loss_scale() == 2.0**15
     assert all(torch.isfinite(p.grad).all() for p in amp.master_params(optimizer))  # this rank's own were clean
+
+
+def _lightning_task_steps(model, optimizer, first: int, count: int) -> list[float]:
+    import apex.amp as amp
+
+    losses = []
+    for step in range(first, first + count):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=g), 0.1 * torch.randn(8, 1, generator=g)
+        loss = F.mse_loss(model(x).float(), y)
+        if step == 1:
+            loss = loss * float("inf")  # one overflow, so the scale to carry over is not the initial one
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _configure_optimizers(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def test_fb_lightning_checkpoint_mixin_reinitializes_after_restoring_and_loads_amp_state_back(shim):
+    """A Lightning task mixin (Facebook, 2021) that resumed Apex runs: after Lightning restored the checkpoint it
+    dumps the optimizers' states and ``amp.state_dict()``, sets the model up again (a new optimizer from
+    ``configure_optimizers``, ``amp.initialize`` a second time on the same O1 model, which makes fresh scalers), and
+    loads both back. The resumed run continues bit for bit, at the loss scale the overflow left."""
+    import apex.amp as amp
+
+    model = _gpt_like(seed=0)
+    model, optimizer = amp.initialize(model, _configure_optimizers(model), opt_level="O1", verbosity=0)
+    _lightning_task_steps(model, optimizer, 0, 3)
+    saved = io.BytesIO()
+    torch.save(
+        {
+            "state_dict": model.state_dict(),
+            "optimizer_states": [optimizer.state_dict()],
+            "amp_scaling_state": amp.state_dict(),
+        },
+        saved,
+    )
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=True)
+    assert checkpoint["amp_scaling_state"]["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 1}
+    straight = _lightning_task_steps(model, optimizer, 3, 3)
+    want = [p.detach().clone() for p in model.parameters()]
+
+    # Lightning's resume: set up, initialize, restore
+    model = _gpt_like(seed=1)
+    model, optimizer = amp.initialize(model, _configure_optimizers(model), opt_level="O1", verbosity=0)
+    model.load_state_dict(checkpoint["state_dict"])
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    amp.load_state_dict(checkpoint["amp_scaling_state"])
+    # the mixin's on_pretrain_routine_end: dump, set the model up again, restore
+    restored = {"optimizer_states": [optimizer.state_dict()], "amp_scaling_state": amp.state_dict()}
+    model, optimizer = amp.initialize(model, _configure_optimizers(model), opt_level="O1", verbosity=0)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**16, "unskipped": 0}  # a new run's scalers
+    optimizer.load_state_dict(restored["optimizer_states"][0])
+    amp.load_state_dict(restored["amp_scaling_state"])
+    assert _lightning_task_steps(model, optimizer, 3, 3) == straight
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want, strict=True))
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 4}
