@@ -338,7 +338,8 @@ class AmpOptimizerStash:
         """Apex's post-backward, through ``scaler.unscale`` and ``scaler.unscale_with_stashed`` as Apex called them
         (for a script's subclass or patch of them: ColossalAI's benchmark all-reduces the overflow flag there, across
         its model-parallel ranks): new gradients of parameters with a float32 master, then those that are their own
-        masters, each first onto nothing stashed, then onto the stash. The verdict is left in the scaler."""
+        masters (the low-precision ones first, as Apex's O1 went by type), each first onto nothing stashed, then onto
+        the stash. The verdict is left in the scaler."""
         if self.combine_grad:  # known before the backward's gradients are touched: scale_loss gives them back
             raise RuntimeError(
                 f"{type(scaler).__name__}.unscale or unscale_with_stashed is the script's own, but with "
@@ -349,7 +350,11 @@ class AmpOptimizerStash:
         self.pending_scale = None
         combiner = self.combiner
         stashes = combiner.take_stash()
-        lists: dict[bool, tuple[list[torch.Tensor], ...]] = {own: ([], [], [], [], []) for own in (False, True)}
+        # Apex's order: the masters of low-precision params, then params that are their own masters, low-precision
+        # ones before float32 ones
+        lists: dict[tuple[bool, bool], tuple[list[torch.Tensor], ...]] = {
+            kind: ([], [], [], [], []) for kind in ((False, False), (True, False), (True, True))
+        }
         for param, owner, stashed in zip(combiner.params, combiner.grad_owners, stashes, strict=True):
             grad = param.grad
             if grad is None:
@@ -357,7 +362,7 @@ class AmpOptimizerStash:
                     param.grad = stashed
                 continue
             own = owner is param
-            new_in, new_out, with_in, with_stash, with_out = lists[own]
+            new_in, new_out, with_in, with_stash, with_out = lists[own, own and param.dtype == torch.float32]
             before = stashed if own else owner.grad
             if before is None:
                 out = grad if own else torch.empty_like(owner)
@@ -369,8 +374,7 @@ class AmpOptimizerStash:
                 with_in.append(grad)
                 with_stash.append(before)
                 with_out.append(grad if own else before)
-        for own in (False, True):  # Apex's order: the fp16 params' masters, then the fp32 params
-            new_in, new_out, with_in, with_stash, with_out = lists[own]
+        for (own, _), (new_in, new_out, with_in, with_stash, with_out) in lists.items():
             if new_in:
                 scaler.unscale(new_in, new_out, scaler.loss_scale(), models_are_masters=own)
             if with_in:
