@@ -488,6 +488,25 @@ class GradientCombiner:
                     continue
                 p.grad = stash if p.grad is None else _sparse_sum(p.grad, stash)
 
+    def take_stash(self) -> list[torch.Tensor | None]:
+        """End a prepared backward whose gradients the caller unscales onto the stash itself (Apex's post-backward run
+        through a script's own ``LossScaler.unscale``): returns, per param, the gradient stashed before the backward
+        (None where there was none, and where another tensor owns the param's gradient: that owner's ``.grad`` is
+        its stash); each ``.grad`` holds only the backward's new, still scaled gradient.
+
+        Raises:
+            RuntimeError: with nothing pending, or with flat buffers, whose stash lives in the buffers.
+        """
+        if not self._pending:
+            raise RuntimeError("take_stash() called without prepare_backward(); call it before the backward")
+        if self.flat:
+            raise RuntimeError("flat gradient buffers (combine_grad=True) are unscaled by combine() only")
+        self._pending = False
+        stash: list[torch.Tensor | None] = [None] * len(self.params)
+        for k, i in enumerate(self._self_idx):
+            stash[i], self._stash[k] = self._stash[k], None
+        return stash
+
     def drop_pending(self) -> None:
         """End a prepared backward by dropping the gradients it produced: each ``.grad`` is back to what it held
         before :meth:`prepare_backward` (a param that had none has none), still unscaled; a no-op when nothing is

@@ -77,16 +77,20 @@ def interval_option(value: Any, option: str, *, zero_means: str | None = None) -
     return int(value)
 
 
-def loss_count_option(value: Any, option: str, *, optional: bool = False) -> int | None:
+def loss_count_option(value: Any, option: str, *, optional: bool = False, zero_means: str | None = None) -> int | None:
     """``value`` as a number of losses, each given its scaler up front: an integer (numpy's too, as Apex's
-    ``range(num_losses)`` took it; not a bool, nor 2.0 or "2", which Apex's range refused) in [1, MAX_NUM_LOSSES],
-    or None where ``optional``; else a ValueError naming ``option``. The one rule of the Trainer and the Apex layer."""
+    ``range(num_losses)`` took it; not a bool, nor 2.0 or "2", which Apex's range refused) in [1, MAX_NUM_LOSSES]
+    (from 0 where ``zero_means`` says what 0 does), or None where ``optional``; else a ValueError naming ``option``.
+    The one rule of the Trainer and the Apex layer."""
     if optional and value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_NUM_LOSSES:
+    lowest = 0 if zero_means else 1
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lowest <= value <= MAX_NUM_LOSSES:
         allowed = "None or an integer" if optional else "an integer"
+        zero = f"; {lowest}: {zero_means}" if zero_means else ""
         raise ValueError(
-            f"{option}={value!r}: expected {allowed} in [1, {MAX_NUM_LOSSES}] (each loss gets its scaler up front)"
+            f"{option}={value!r}: expected {allowed} in [{lowest}, {MAX_NUM_LOSSES}] (each loss gets its scaler up "
+            f"front{zero})"
         )
     return int(value)
 

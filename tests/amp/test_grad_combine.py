@@ -253,6 +253,35 @@ def test_drop_pending_gives_back_the_gradients_from_before_the_backward(flat, ma
     assert torch.equal(holders[2].grad, torch.full_like(holders[2], 3.0))
 
 
+@pytest.mark.parametrize("masters", [False, True])
+def test_take_stash_hands_over_what_was_there_before_the_backward_and_leaves_the_new_gradients(masters):
+    """``take_stash`` (a script's own unscale runs the post-backward): per param, the gradient from before the backward
+    (None where there was none, or where a master owns it: the master's ``.grad`` is its stash), each ``.grad`` left
+    with the backward's new, still scaled gradient, nothing pending; refused with nothing pending or flat buffers."""
+    params = make_params(torch.float16)
+    owners = [p.detach().float().requires_grad_() for p in params] if masters else None
+    combiner = GradientCombiner(params, owners)
+    with pytest.raises(RuntimeError, match=r"take_stash\(\) called without prepare_backward\(\)"):
+        combiner.take_stash()
+    combiner.prepare_backward()
+    backward_with(params, [torch.ones(p.shape) for p in params[:2]] + [None], 2.0)
+    combiner.combine(2.0)
+    combiner.prepare_backward()
+    backward_with(params, [torch.full(p.shape, 3.0) for p in params], 2.0)
+    stash = combiner.take_stash()
+    assert not combiner.pending
+    assert all(torch.equal(p.grad, torch.full_like(p, 6.0)) for p in params)  # new and scaled
+    if masters:
+        assert stash == [None] * 3
+        assert all(torch.equal(o.grad, torch.ones_like(o)) for o in owners[:2]) and owners[2].grad is None
+    else:
+        assert all(torch.equal(s, torch.ones_like(s)) for s in stash[:2]) and stash[2] is None
+    flat = GradientCombiner(make_params(torch.float32), flat=True)
+    flat.prepare_backward()
+    with pytest.raises(RuntimeError, match=r"flat gradient buffers \(combine_grad=True\) are unscaled by combine"):
+        flat.take_stash()
+
+
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("scale", [0.0, -2.0, math.inf, math.nan])
 def test_a_scale_that_is_not_finite_and_positive_is_named_and_loses_nothing(flat, scale):

@@ -534,12 +534,15 @@ def test_o3_recasts_optimizer_state_made_before_initialize(make):
     assert model.weight.dtype == torch.half and torch.isfinite(model.weight).all()
 
 
-@pytest.mark.parametrize("num_losses", [0, -1, 1.5, True, "2", 1025, 10**8])
+@pytest.mark.parametrize("num_losses", [-1, 1.5, True, "2", 1025, 10**8])
 def test_a_num_losses_that_is_no_count_of_scalers_is_named(num_losses):
-    """10**8 (a typo) made a scaler each for the better part of an hour: bounded as precision.num_losses is."""
+    """10**8 (a typo) made a scaler each for the better part of an hour: bounded as precision.num_losses is, but from
+    0, which makes no scaler (Apex's ``range(0)``: a model-only initialize before the optimizer's own)."""
     model = _model()
     with pytest.raises(
-        ValueError, match=rf"^num_losses={re.escape(repr(num_losses))}: expected an integer in \[1, 1024\]"
+        ValueError,
+        match=rf"^num_losses={re.escape(repr(num_losses))}: expected an integer in \[0, 1024\] \(each loss gets its "
+        r"scaler up front; 0: no loss scaler",
     ):
         amp.initialize(model, _sgd(model), verbosity=0, num_losses=num_losses)
 

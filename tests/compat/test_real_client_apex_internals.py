@@ -8,7 +8,8 @@ migration layer, which replaces ``amp.initialize`` by building ``_amp_state`` by
 inputs itself; Horovod Adasum's BERT optimizer, which writes its own overflow verdict into amp's scaler; and
 glow-tts, which initializes the optimizer inside its own Noam wrapper (``optimizer_g._optim``); and a Kaggle
 solution passing torchcontrib's ``SWA`` wrapper (no ``Optimizer.__init__``) through ``amp.initialize``; a Lightning
-fork entering ``scale_loss`` by hand and deferring its optimizer checkpoint to amp's lazy init.
+fork entering ``scale_loss`` by hand and deferring its optimizer checkpoint to amp's lazy init; a research codebase's
+standalone fp16 optimizer built from Apex's O2 internals on ``apex.amp.scaler.LossScaler`` and ``amp_C``.
 The two-rank part of the batch norm is in ``test_apex_parallel.py``."""
 
 from __future__ import annotations
@@ -728,3 +729,133 @@ def test_lightning_fork_resumes_an_apex_checkpoint_with_the_masters_its_lazy_ini
     assert calls == [optimizer] and not hasattr(optimizer, "_lazy_saved_state_dict")
     for ours, theirs in zip(amp.master_params(optimizer), uninterrupted, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+class _StandaloneAmpOptimizer:
+    """A research codebase's fp16 optimizer built from Apex's O2 internals, without ``amp.initialize`` (2021): the
+    optimizer gets an ``_amp_stash``, fp32 masters replace the half params in its groups at the first step, the step
+    takes an ``apex.amp.scaler.LossScaler``, clears it, unscales the half grads into the masters through
+    ``scaler.unscale`` / ``unscale_with_stashed`` and the float32 ones in place, reads ``_overflow_buf`` (the class's
+    ``has_fused_kernel``), steps unless it overflowed, and copies the masters back with ``amp_C.multi_tensor_scale``."""
+
+    @staticmethod
+    def convert(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        import amp_C
+
+        stash = optimizer._amp_stash = types.SimpleNamespace(lazy_init_called=False)
+        stash.multi_tensor_scale = amp_C.multi_tensor_scale
+        stash.dummy_overflow_buf = torch.zeros(1, dtype=torch.int)  # torch.cuda.IntTensor([0]) in the original
+        old_step = optimizer.step
+
+        def new_step(self, closure=None, scaler=None):
+            from apex.multi_tensor_apply import multi_tensor_applier
+
+            scaler.clear_overflow_state()
+            _StandaloneAmpOptimizer.grads_to_masters(self, scaler)
+            overflow = scaler._overflow_buf.item() if scaler.has_fused_kernel else scaler._has_overflow
+            retval = None
+            if not overflow:
+                retval = old_step()
+                multi_tensor_applier(
+                    stash.multi_tensor_scale, stash.dummy_overflow_buf, [stash.masters, stash.half], 1.0
+                )
+            for master in stash.masters:
+                master.grad = None
+            return retval, overflow
+
+        optimizer.step = types.MethodType(new_step, optimizer)
+        return optimizer
+
+    @staticmethod
+    def lazy_init(optimizer: torch.optim.Optimizer) -> None:
+        stash = optimizer._amp_stash
+        stash.half, stash.masters, stash.single = [], [], []
+        for group in optimizer.param_groups:
+            for i, param in enumerate(group["params"]):
+                if param.dtype == torch.half:
+                    master = param.detach().clone().float().requires_grad_()
+                    group["params"][i] = master
+                    stash.half.append(param)
+                    stash.masters.append(master)
+                else:
+                    stash.single.append(param)
+        optimizer.load_state_dict(optimizer.state_dict())
+        stash.lazy_init_called = True
+
+    @staticmethod
+    def grads_to_masters(optimizer: torch.optim.Optimizer, scaler) -> None:
+        stash = optimizer._amp_stash
+        if not stash.lazy_init_called:
+            _StandaloneAmpOptimizer.lazy_init(optimizer)
+        new_half, new_masters, acc_half, acc_masters = [], [], [], []
+        for half, master in zip(stash.half, stash.masters, strict=True):
+            if half.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = torch.empty_like(master)
+                new_half.append(half.grad)
+                new_masters.append(master.grad)
+            else:
+                acc_half.append(half.grad)
+                acc_masters.append(master.grad)
+        if new_half:
+            scaler.unscale(new_half, new_masters, scaler.loss_scale(), models_are_masters=False)
+        if acc_half:
+            scaler.unscale_with_stashed(acc_half, acc_masters, acc_masters)
+        single = [p.grad for p in stash.single if p.grad is not None]
+        if single:
+            scaler.unscale(single, single, None, models_are_masters=True, scale_override=scaler.loss_scale())
+
+
+def test_a_standalone_fp16_optimizer_on_apexs_loss_scaler_and_amp_c_skips_overflows_and_keeps_its_scale(shim):
+    """Without ``amp.initialize``: ``LossScaler(loss_scale='dynamic', min_loss_scale=1.)`` built by the script, with
+    ``state_dict``/``load_state_dict`` set on the instance (``_unskipped``, ``_loss_scale``). Clean steps follow the
+    float32 run to fp16's precision; an inf skips its step (the weights stay) and halves the scale through
+    ``update_scale()``; the scale's state round-trips into a new scaler, as the script resumes it."""
+    from apex.amp.scaler import LossScaler
+
+    def dynamic_scaler():
+        scaler = LossScaler(loss_scale="dynamic", min_loss_scale=1.0)
+        scaler.state_dict = lambda: {"_unskipped": scaler._unskipped, "_loss_scale": scaler._loss_scale}
+
+        def load_state_dict(state):
+            scaler._unskipped, scaler._loss_scale = state["_unskipped"], state["_loss_scale"]
+
+        scaler.load_state_dict = load_state_dict
+        return scaler
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+
+    def forward(model, x):
+        return model[2](model[1](model[0](x.half()).float()).half()).float()
+
+    reference, model = build(), build()
+    model[0].half()
+    model[2].half()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    optimizer = _StandaloneAmpOptimizer.convert(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    scaler = dynamic_scaler()
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 4, generator=g), 0.01 * torch.randn(16, 1, generator=g)
+        loss = F.mse_loss(forward(model, x), y) * (float("inf") if step == 2 else 1.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        (loss * scaler.loss_scale()).backward()
+        _, overflow = optimizer.step(scaler=scaler)
+        skipped = scaler.update_scale()
+        model.zero_grad()
+        assert bool(overflow) is skipped is (step == 2)
+        if skipped:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            continue
+        ref_optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_optimizer.step()
+        for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(param.float(), ref, rtol=0, atol=2e-3)
+    assert scaler.state_dict() == {"_unskipped": 1, "_loss_scale": 2.0**15}
+    resumed = dynamic_scaler()
+    resumed.load_state_dict(scaler.state_dict())
+    assert resumed.loss_scale() == 2.0**15 and resumed._unskipped == 1 and resumed.dynamic

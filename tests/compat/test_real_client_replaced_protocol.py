@@ -475,15 +475,9 @@ def test_a_skipped_step_resets_the_scale_apexs_fused_sgd_recorded_and_the_next_s
         torch.testing.assert_close(master, ref, rtol=0, atol=2e-3)
 
 
-def test_a_patched_loss_scaler_update_scale_agreeing_the_overflow_across_ranks_decides_the_skip(shim, monkeypatch):
-    """A model-parallel trainer's ``monkey_patch_apex_amp_scaler`` replaces ``apex.amp.scaler.LossScaler.update_scale``
-    by a copy of Apex's that first takes the MAX of ``_has_overflow`` over the ranks (here another rank's verdict,
-    given). ``scale_loss`` decides the skip through ``loss_scaler.update_scale()``, as Apex did, so another rank's
-    overflow skips this rank's clean step and halves its scale too. amp updated its scaler directly, and
-    ``apex.amp.scaler.LossScaler`` was not the class of amp's scalers: the patch never ran, and the ranks drifted."""
-    from apex import amp
-
-    other_ranks_overflowed = [False, True, False]
+def _update_scale_agreed_with(other_ranks_overflowed: list[bool]):
+    """A copy of Apex's ``LossScaler.update_scale`` that first takes the MAX of ``_has_overflow`` over the ranks (the
+    other ranks' verdicts given, one per call), as model-parallel trainers patched it."""
 
     def update_scale(self):
         if self.has_fused_kernel and self.dynamic and not self._has_overflow:
@@ -504,7 +498,19 @@ def test_a_patched_loss_scaler_update_scale_agreeing_the_overflow_across_ranks_d
             self._unskipped = 0
         return should_skip
 
-    monkeypatch.setattr(amp.scaler.LossScaler, "update_scale", update_scale)
+    return update_scale
+
+
+def test_a_patched_loss_scaler_update_scale_agreeing_the_overflow_across_ranks_decides_the_skip(shim, monkeypatch):
+    """A model-parallel trainer's ``monkey_patch_apex_amp_scaler`` replaces ``apex.amp.scaler.LossScaler.update_scale``
+    by a copy of Apex's that first takes the MAX of ``_has_overflow`` over the ranks (here another rank's verdict,
+    given). ``scale_loss`` decides the skip through ``loss_scaler.update_scale()``, as Apex did, so another rank's
+    overflow skips this rank's clean step and halves its scale too. amp updated its scaler directly, and
+    ``apex.amp.scaler.LossScaler`` was not the class of amp's scalers: the patch never ran, and the ranks drifted."""
+    from apex import amp
+
+    other_ranks_overflowed = [False, True, False]
+    monkeypatch.setattr(amp.scaler.LossScaler, "update_scale", _update_scale_agreed_with(other_ranks_overflowed))
     model = _mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
@@ -520,3 +526,25 @@ def test_a_patched_loss_scaler_update_scale_agreeing_the_overflow_across_ranks_d
         changed.append(not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)))
     assert changed == [True, False, True] and other_ranks_overflowed == []
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 1}
+
+
+def test_fp16_optimizer_decides_its_overflow_through_the_patched_update_scale(shim, monkeypatch):
+    """Apex's last ``FP16_Optimizer`` kept an ``apex.amp.scaler.LossScaler`` and set ``overflow`` from its
+    ``update_scale()`` after each unscale, so the same patch agreed its skips across ranks too; ampkit's updated the
+    scaler directly, and a clean rank stepped where another skipped."""
+    from apex import amp
+    from apex.fp16_utils import FP16_Optimizer
+
+    other_ranks_overflowed = [False, True, False]
+    monkeypatch.setattr(amp.scaler.LossScaler, "update_scale", _update_scale_agreed_with(other_ranks_overflowed))
+    model = _mlp().half()
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    changed = []
+    for i in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        optimizer.backward(F.mse_loss(model(_batch(i).half()).float(), torch.zeros(8, 2)))
+        optimizer.step()
+        changed.append(not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)))
+    assert changed == [True, False, True] and other_ranks_overflowed == []
+    assert optimizer.loss_scale == 2.0**15 and optimizer.loss_scaler._unskipped == 1

@@ -19,6 +19,7 @@ from ampkit.amp.grad_combine import CombineResult
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp._param_lists import MasterGroups, params_of_dtype
 from ampkit.compat.amp.functions import disable_casts
+from ampkit.compat.amp.scaler import unscales_its_own_way
 
 _MASTER_STATE_KEY = "ampkit_master_weights"
 
@@ -308,7 +309,7 @@ class AmpOptimizerStash:
         scaler's ``_overflow_buf``). A replacement that unscaled by itself, without amp's own, gets the gradients
         stashed before the backward added back to what it left, as Apex's stash of them was."""
         if not self.replaced("_post_amp_backward"):
-            return self.combine(scaler).found_inf
+            return self.unscale_backward(scaler)
         self.optimizer._post_amp_backward(scaler)
         if self.combiner.pending:
             if self.combine_grad:  # known only now that it returned: scale_loss drops the backward's gradients
@@ -323,6 +324,62 @@ class AmpOptimizerStash:
             self.combiner.release()
             self._settle_kept_model_grads()
         return None
+
+    def unscale_backward(self, scaler: Any) -> torch.Tensor | None:
+        """amp's own post-backward: the backward's gradients unscaled onto the stash by amp (its unsynced found_inf flag
+        returned), or through the scaler's ``unscale`` methods where they are a script's (None: the verdict is in the
+        scaler, as Apex's methods left it)."""
+        if unscales_its_own_way(scaler):
+            self._unscale_through(scaler)
+            return None
+        return self.combine(scaler).found_inf
+
+    def _unscale_through(self, scaler: Any) -> None:
+        """Apex's post-backward, through ``scaler.unscale`` and ``scaler.unscale_with_stashed`` as Apex called them
+        (for a script's subclass or patch of them: ColossalAI's benchmark all-reduces the overflow flag there, across
+        its model-parallel ranks): new gradients of parameters with a float32 master, then those that are their own
+        masters (the low-precision ones first, as Apex's O1 went by type), each first onto nothing stashed, then onto
+        the stash. The verdict is left in the scaler."""
+        if self.combine_grad:  # known before the backward's gradients are touched: scale_loss gives them back
+            raise RuntimeError(
+                f"{type(scaler).__name__}.unscale or unscale_with_stashed is the script's own, but with "
+                "combine_grad=True the flat gradient buffers are unscaled by amp's own only; initialize without "
+                "combine_grad, or leave the scaler's unscale methods as they are"
+            )
+        self.lazy_init()
+        self.pending_scale = None
+        combiner = self.combiner
+        stashes = combiner.take_stash()
+        # Apex's order: the masters of low-precision params, then params that are their own masters, low-precision
+        # ones before float32 ones
+        lists: dict[tuple[bool, bool], tuple[list[torch.Tensor], ...]] = {
+            kind: ([], [], [], [], []) for kind in ((False, False), (True, False), (True, True))
+        }
+        for param, owner, stashed in zip(combiner.params, combiner.grad_owners, stashes, strict=True):
+            grad = param.grad
+            if grad is None:
+                if stashed is not None:
+                    param.grad = stashed
+                continue
+            own = owner is param
+            new_in, new_out, with_in, with_stash, with_out = lists[own, own and param.dtype == torch.float32]
+            before = stashed if own else owner.grad
+            if before is None:
+                out = grad if own else torch.empty_like(owner)
+                if not own:
+                    owner.grad = out
+                new_in.append(grad)
+                new_out.append(out)
+            else:
+                with_in.append(grad)
+                with_stash.append(before)
+                with_out.append(grad if own else before)
+        for (own, _), (new_in, new_out, with_in, with_stash, with_out) in lists.items():
+            if new_in:
+                scaler.unscale(new_in, new_out, scaler.loss_scale(), models_are_masters=own)
+            if with_in:
+                scaler.unscale_with_stashed(with_in, with_stash, with_out)
+        self._settle_kept_model_grads()
 
     def drop_backward(self) -> None:
         """Drop the gradients of a prepared backward that cannot be unscaled: ``.grad`` are back as they were before
@@ -492,7 +549,9 @@ class AmpOptimizerStash:
             stash.prepare_backward()
 
         def post_amp_backward(self: Any, loss_scaler: Any) -> None:
-            loss_scaler.flag_overflow(stash.combine(loss_scaler).found_inf)  # read by loss_scaler.update_scale()
+            flag = stash.unscale_backward(loss_scaler)
+            if flag is not None:
+                loss_scaler.flag_overflow(flag)  # read by loss_scaler.update_scale()
 
         def amp_lazy_init(self: Any) -> None:
             stash.own_lazy_init(stash._lazy_take_over)

@@ -38,6 +38,9 @@ _SCALER_OPTION_NAMES = {
     "max_scale": "max_loss_scale",
 }
 
+# What num_losses=0 does, as Apex's range(0) did; amp.scale_loss then says there is no scaler to scale with.
+_NO_SCALER = "no loss scaler, for models initialized without a loss to scale"
+
 
 def _is_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer) or isinstance(getattr(obj, "optim", None), torch.optim.Optimizer)
@@ -273,8 +276,9 @@ def initialize(
         _amp_state.opt_properties = resolve_opt_level("O0", enabled=False)
         return models if optimizers is None else (models, optimizers)
     # numpy's integers too, as Apex's range(num_losses) took them; 10**8, a typo, made a scaler each for the better
-    # part of an hour
-    num_losses = loss_count_option(num_losses, "num_losses")
+    # part of an hour. 0 made none in Apex: programs initialize their models alone with num_losses=0, and the
+    # optimizer in a second initialize that makes the scalers (ColossalAI's GPT benchmark)
+    num_losses = loss_count_option(num_losses, "num_losses", zero_means=_NO_SCALER)
     if combine_grad is not None and not is_switch(combine_grad):
         raise ValueError(f"combine_grad={combine_grad!r}: expected True, False or None")  # bool("False") is True
     properties = resolve_opt_level(

@@ -96,6 +96,11 @@ def scale_loss(
             f"(amp.initialize was called with num_losses={len(scalers)})"
         )
     given, loss_id = loss_id, int(loss_id)
+    if not scalers:  # Apex's IndexError on its empty list
+        raise LossIdRangeError(
+            f"loss_id={given!r}: amp.initialize was called with num_losses=0, so there is no loss scaler to scale "
+            "with: pass num_losses=1 or more to the initialize that takes the optimizers"
+        )
     if not 0 <= loss_id < len(scalers):
         raise LossIdRangeError(  # named as written: loss_id=True read "loss_id=1", which the caller never wrote
             f"loss_id={given!r}"

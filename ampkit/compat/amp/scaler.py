@@ -223,3 +223,13 @@ class ApexLossScaler(EngineLossScaler):
 # Apex's name for the class of amp's scalers: a script's patch of ``apex.amp.scaler.LossScaler.update_scale`` (an
 # overflow agreed across ranks) reaches ``_amp_state.loss_scalers``, which the engine's class did not.
 LossScaler = ApexLossScaler
+
+# The class's own unscale methods, kept apart from the class so that a script's patch of the class itself is told too
+_OWN_UNSCALES = {"unscale": ApexLossScaler.unscale, "unscale_with_stashed": ApexLossScaler.unscale_with_stashed}
+
+
+def unscales_its_own_way(scaler: Any) -> bool:
+    """Whether ``scaler``'s ``unscale`` or ``unscale_with_stashed`` is a script's (a subclass's override, a patch of
+    the class or of the one scaler): amp's ``scale_loss`` then unscales through them, as Apex's post-backward did."""
+    methods = ((getattr(scaler, name, None), own) for name, own in _OWN_UNSCALES.items())
+    return any(method is not None and getattr(method, "__func__", None) is not own for method, own in methods)

@@ -276,8 +276,10 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
                     param.grad = before
             self._grads_before = [None] * len(self._low_pairs)
             self._left_grads = [None if p.grad is None else (p.grad, p.grad._version) for p, _ in self._low_pairs]
-        self.loss_scaler.update(self._grads_overflowed)
-        self.overflow = self.loss_scaler._has_overflow
+        if self._grads_overflowed:  # where Apex's unscale kernel left it, for update_scale to read
+            self.loss_scaler._overflow_buf.fill_(1)
+        # through the attribute, as Apex decided it: a script's update_scale (the overflow agreed across ranks) decides
+        self.overflow = self.loss_scaler.update_scale()
 
     def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
         """The fp32 master grads per param group (``None`` for a param without one); ``None`` while ``overflow``."""
