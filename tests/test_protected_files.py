@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -376,3 +377,55 @@ def test_a_run_does_not_read_back_the_checkpoints_it_wrote_to_tell_them_from_a_u
     settings = {**QUIET, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1, "checkpoint.monitor": "val/mse"}
     ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.val_every_n_steps": 2})).fit()
     assert read == []
+
+
+def test_a_sharded_save_clears_only_a_killed_save_s_files_from_its_temp_folder(tmp_path):
+    """The save's temp folder (``.best-00000004.tmp``) was deleted whole before each save: a folder of that name the
+    user made, or the notes they put in one a kill left, went with it. A kill's own leftovers (DCP's ``.metadata.tmp``,
+    a shard, ``trainer.pt``'s temp file) still go, and the save is made."""
+    from ampkit.trainer.sharded_checkpoint import copy_sharded
+
+    source, alias = tmp_path / "step-00000004", tmp_path / "best-00000004"
+    source.mkdir()
+    for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+        (source / part).write_bytes(b"new")
+    tmp = tmp_path / ".best-00000004.tmp"
+    tmp.mkdir()
+    for leftover in (".metadata.tmp", "__0_0.distcp", ".trainer.pt.k3x9_q0a.tmp", "..metadata.abcd1234.tmp"):
+        (tmp / leftover).write_bytes(b"half")
+    copy_sharded(source, alias)
+    assert sorted(p.name for p in alias.iterdir()) == [".metadata", "__0_0.distcp", "trainer.pt"]
+    assert not tmp.exists()
+
+    shutil.rmtree(alias)  # made again below, where only its temp folder is in the way
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"half")
+    (tmp / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"\.best-00000004\.tmp' is a folder holding notes\.txt") as raised:
+        copy_sharded(source, alias)
+    assert raised.value.filename == str(tmp) and (tmp / "notes.txt").read_text() == "mine"
+    assert not alias.exists()
+
+    shutil.rmtree(tmp)
+    tmp.write_text("a file of mine")
+    with pytest.raises(FileExistsError, match="is a file: ampkit saves a checkpoint through that temp name"):
+        copy_sharded(source, alias)
+    assert tmp.read_text() == "a file of mine"
+
+
+def test_moving_a_sharded_alias_never_deletes_a_users_file_at_its_temp_name(tmp_path):
+    """``point_last_at`` deleted whatever stood at ``.last.tmp`` before making its link there; ampkit makes only a link
+    there, which a kill may leave and which goes."""
+    from ampkit.trainer.sharded_checkpoint import point_last_at
+
+    (tmp_path / "step-00000001").mkdir()
+    mine = tmp_path / ".last.tmp"
+    mine.write_bytes(b"my notes")
+    with pytest.raises(FileExistsError, match="ampkit makes its last link through that temp name") as raised:
+        point_last_at(tmp_path / "step-00000001")
+    assert raised.value.filename == str(mine) and mine.read_bytes() == b"my notes"
+    assert not (tmp_path / "last").exists()
+    mine.unlink()
+    os.symlink("step-00000001", mine)  # a kill's
+    point_last_at(tmp_path / "step-00000001")
+    assert os.readlink(tmp_path / "last") == "step-00000001" and not mine.is_symlink()
