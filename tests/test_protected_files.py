@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_compare import assert_same_checkpoint
 from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit.trainer.checkpoint_io import CheckpointError, save_atomic
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint, save_atomic
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
 
@@ -429,3 +430,54 @@ def test_moving_a_sharded_alias_never_deletes_a_users_file_at_its_temp_name(tmp_
     os.symlink("step-00000001", mine)  # a kill's
     point_last_at(tmp_path / "step-00000001")
     assert os.readlink(tmp_path / "last") == "step-00000001" and not mine.is_symlink()
+
+
+def test_a_resumed_process_prunes_and_replaces_its_run_s_checkpoints_as_the_uninterrupted_run(tmp_path):
+    """A resume is a new process: it has not written the run's earlier checkpoints (checkpoint_io's record of what this
+    process wrote is empty), so it reads them to tell them from the user's. It must still replace last.pt and best.pt,
+    prune the step files past keep_last and the best files out of the top k, exactly as one uninterrupted run does,
+    and keep (naming it once in the run) a file of the user's under a checkpoint's name."""
+    from ampkit.trainer import checkpoint_io
+
+    settings = {
+        **QUIET,
+        "checkpoint.every_n_steps": 2,
+        "checkpoint.keep_last": 2,
+        "checkpoint.monitor": "val/mse",
+        "checkpoint.save_top_k": 2,
+        "trainer.val_every_n_steps": 2,
+        "trainer.max_epochs": 3,
+    }
+    straight = ToyTrainer(toy_cfg(tmp_path / "straight", **settings, **{"trainer.max_steps": 16}))
+    straight.fit()
+    first = ToyTrainer(toy_cfg(tmp_path / "resumed", **settings, **{"trainer.max_steps": 6}))
+    first.fit()
+    checkpoints = first.version_dir / "checkpoints"
+    mine = checkpoints / "step-00000001.pt"
+    torch.save({"weights": torch.ones(2)}, mine)
+    checkpoint_io._WRITTEN.clear()  # a new process: it wrote none of them
+    checkpoint_io._holds_ampkit_checkpoint.cache_clear()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        resumed = ToyTrainer(toy_cfg(tmp_path / "resumed", **settings, **{"trainer.max_steps": 16}))
+        resumed.fit(resume="last")
+    assert resumed.version_dir == first.version_dir
+
+    def names(run) -> list[str]:
+        return sorted(p.name for p in (run.version_dir / "checkpoints").iterdir())
+
+    assert resumed.state.global_step == 16
+    assert names(resumed) == sorted([*names(straight), mine.name])
+    for name in names(straight):
+        ours, theirs = (load_checkpoint(r.version_dir / "checkpoints" / name) for r in (resumed, straight))
+        # what differs: what the resume saved remembers that it named the user's file; the first run's, its max_steps
+        resumed_saved = ours["loop"]["global_step"] > 6
+        named = [mine.name] if resumed_saved else []
+        assert ours["callbacks"]["ModelCheckpoint[val/mse]"].pop("protected") == named, name
+        if not resumed_saved:
+            ours["config"]["trainer"]["max_steps"] = 16
+        theirs["callbacks"]["ModelCheckpoint[val/mse]"].pop("protected")
+        assert_same_checkpoint(ours, theirs)
+    assert torch.load(mine)["weights"].tolist() == [1.0, 1.0]
+    about_mine = [w for w in said if str(mine) in str(w.message)]
+    assert len(about_mine) == 1 and "holds no ampkit checkpoint" in str(about_mine[0].message)
