@@ -106,6 +106,72 @@ def test_a_branch_from_best_with_a_top_k_ranks_its_own_checkpoints(tmp_path, sha
     assert (checkpoints / ("best" if sharded else "best.pt")).exists()  # one of them, not dangling
 
 
+class TiedScores(ToyTrainer):
+    """A validation score that ties: step 8 and 10 score what step 4 did."""
+
+    SCORES = {2: 3.0, 4: 1.0, 6: 2.0, 8: 1.0, 10: 1.0}
+
+    def validation_step(self, batch):
+        return {"score": self.SCORES.get(self.state.global_step, 9.0)}  # 9: the sanity check
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "fsdp"])
+@pytest.mark.parametrize(("top_k", "kept"), [(1, ["best-00000004"]), (2, ["best-00000004", "best-00000008"])])
+def test_a_branch_keeps_on_a_tie_what_the_run_it_branched_from_keeps(tmp_path, sharded, top_k, kept):
+    """A branch from step 6 ranked afresh in its new version directory, so step 8's score, equal to step 4's, entered
+    its top k where the uninterrupted run kept step 4 (a tie does not displace): it continues the saved ranking, with
+    copies of the ranked files, and the run it branched from is left as it was."""
+    settings = {
+        **QUIET,
+        "checkpoint.monitor": "val/score",
+        "checkpoint.save_top_k": top_k,
+        "checkpoint.every_n_steps": 2,
+        "checkpoint.keep_last": 9,
+        "trainer.val_every_n_steps": 2,
+        "trainer.max_steps": 10,
+        "trainer.max_epochs": 2,
+        **({"distributed.strategy": "fsdp"} if sharded else {}),
+    }
+    straight = TiedScores(toy_cfg(tmp_path, **settings))
+    straight.fit()
+    before = _files(straight.version_dir)
+    branch = TiedScores(toy_cfg(tmp_path, **settings))
+    branch.fit(resume=straight.version_dir / "checkpoints" / ("step-00000006" + ("" if sharded else ".pt")))
+    assert branch.version_dir.name == "version_1" and _files(straight.version_dir) == before
+
+    def ranked(run) -> list[str]:
+        names = (p.name for p in (run.version_dir / "checkpoints").iterdir())
+        return sorted(n.removesuffix(".pt") for n in names if re.fullmatch(r"best-\d{8}(\.pt)?", n))
+
+    assert ranked(straight) == ranked(branch) == kept
+    best = branch.version_dir / "checkpoints" / ("best" if sharded else "best.pt")
+    part = best / "trainer.pt" if sharded else best
+    assert load_checkpoint(part)["loop"]["global_step"] == 4
+    assert [Path(p).parent for p in branch.callbacks[-1].best_k_models] == [best.parent] * top_k
+
+
+def test_a_branch_whose_ranked_file_is_gone_keeps_its_value_and_names_it(tmp_path):
+    """A ranked file pruned (here deleted) from the run branched from since cannot be copied: it stays ranked by its
+    value, so the tie at step 8 still does not enter, and a warning names it."""
+    settings = {
+        **QUIET,
+        "checkpoint.monitor": "val/score",
+        "checkpoint.every_n_steps": 2,
+        "checkpoint.keep_last": 9,
+        "trainer.val_every_n_steps": 2,
+        "trainer.max_steps": 10,
+        "trainer.max_epochs": 2,
+    }
+    straight = TiedScores(toy_cfg(tmp_path, **settings))
+    straight.fit()
+    (straight.version_dir / "checkpoints" / "best-00000004.pt").unlink()
+    branch = TiedScores(toy_cfg(tmp_path, **settings))
+    with pytest.warns(UserWarning, match=r"names best-00000004\.pt, no longer in '.*version_0/checkpoints'"):
+        branch.fit(resume=straight.version_dir / "checkpoints" / "step-00000006.pt")
+    assert list(branch.callbacks[-1].best_k) == ["best-00000004.pt"]
+    assert not list((branch.version_dir / "checkpoints").glob("best*"))
+
+
 def test_the_branch_is_named_in_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -120,6 +120,8 @@ class ModelCheckpoint(KeyedByMonitor):
         self._directory: Path | None = None  # the checkpoints directory of the latest fit, which best_k's names are in
         self._newest: str | None = None  # the step or epoch file it saved last: best_model_path without a monitor
         self._current: float | None = None  # the monitored value of the best-k file saved last (current_score)
+        self._inherited: list[str] = []  # a branch's ranked files, in the run it branched from: copied at its save
+        self._inherit_from: Path | None = None  # that run's checkpoints directory
 
     @property
     def best_k_models(self) -> dict[str, float]:
@@ -224,10 +226,12 @@ class ModelCheckpoint(KeyedByMonitor):
         self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
-        if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
-            self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
-            self._newest = self._current = None
-            self._protected_before = []
+        self._inherited, self._inherit_from = [], None
+        if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files are in the old one
+            # The branch ranks on from the restored ranking (ties too), so it keeps what the run it branched from
+            # would have; its first save copies the ranked files in (on every rank alike: all save shards).
+            self._inherited, self._inherit_from = list(self.best_k), trainer.fit_start.branched_from.parent
+            self.kept, self._newest, self._protected_before = [], None, []
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
         # every rank here, or the others would train on into a collective it never joins.
         decided_by_rank_zero(partial(self._tidy, trainer, peers), trainer.dist)
@@ -463,6 +467,9 @@ class ModelCheckpoint(KeyedByMonitor):
                 "torch.serialization.add_safe_globals allows"
             )
         self._saved_at = _moment(trainer)
+        if self._inherited:  # a branch's first save: the ranked files it inherited come first, each whole
+            inherited, self._inherited = self._inherited, []  # on every rank: one collective, at this save alone
+            decided_by_rank_zero(partial(self._copy_inherited, trainer, inherited), trainer.dist)
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
             return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)
         # Rank zero writes the file; where that fails (a full disk) every rank stops here with its error, rather than
@@ -470,6 +477,44 @@ class ModelCheckpoint(KeyedByMonitor):
         path = decided_by_rank_zero(partial(self._write, trainer, checkpoint, filename, best), trainer.dist)
         trainer.rank_zero_last = path.parent / "last.pt"  # every rank: a failure's note names rank zero's
         return path if trainer.is_global_zero else None
+
+    def _copy_inherited(self, trainer, inherited: list[str]) -> None:
+        """Copy the ranked files a branch inherited (those still among its best) from the run it branched from into its
+        own checkpoints directory, and make ``best.pt`` (a sharded run's ``best``) name the best of them where it leads
+        the ranking (rank zero). A file gone from there (pruned since, deleted) or no longer that step's stays ranked
+        by its value, as in that run, and is named in a warning."""
+        directory, source = trainer.version_dir / "checkpoints", self._inherit_from
+        names = [name for name in inherited if name in self.best_k]
+        gone, writing = [], directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for name in names:
+                origin, writing = source / name, directory / name
+                whole = is_sharded_checkpoint(origin) if trainer.sharded else origin.is_file()
+                loop = loop_of(origin) if whole else None
+                if loop is None or loop.get("global_step") != int(name.removeprefix("best-").removesuffix(".pt")):
+                    gone.append(name)
+                elif trainer.sharded:
+                    copy_sharded(origin, writing)
+                else:
+                    refuse_foreign(writing)
+                    copy_atomic(origin, writing)
+            best = directory / next(iter(self.best_k))
+            if best.name in names and best.name not in gone:
+                if trainer.sharded:
+                    writing = directory / "best"
+                    point_last_at(best, "best")
+                else:
+                    refuse_foreign(writing := directory / "best.pt")
+                    copy_atomic(best, writing)
+        except OSError as exc:  # a full disk: the run it branched from is as it was, and this one has no save yet
+            last = directory / ("last" if trainer.sharded else "last.pt")
+            raise _save_failed(writing, exc.strerror or str(exc), last, None, exc, trainer.rank_zero_last) from None
+        if gone:
+            rank_zero_warn(
+                f"the best-k ranking this branch continues names {', '.join(gone)}, no longer in '{source}': they stay "
+                "ranked by their values (so the branch keeps what that run would), without a copy in this run"
+            )
 
     def _write(self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None) -> Path:
         """Rank zero's part of a save: the file, its best-k copies, ``last.pt``, then the pruning."""
