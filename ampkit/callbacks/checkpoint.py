@@ -467,22 +467,22 @@ class ModelCheckpoint(KeyedByMonitor):
                 "torch.serialization.add_safe_globals allows"
             )
         self._saved_at = _moment(trainer)
-        if self._inherited:  # a branch's first save: the ranked files it inherited come first, each whole
-            inherited, self._inherited = self._inherited, []  # on every rank: one collective, at this save alone
-            decided_by_rank_zero(partial(self._copy_inherited, trainer, inherited), trainer.dist)
+        inherited, self._inherited = self._inherited, []  # a branch's first save copies them; on every rank alike
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
-            return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)
+            return self._save_sharded(trainer, checkpoint, Path(filename).stem, best, inherited)
         # Rank zero writes the file; where that fails (a full disk) every rank stops here with its error, rather than
         # training on into a collective rank zero never joins.
-        path = decided_by_rank_zero(partial(self._write, trainer, checkpoint, filename, best), trainer.dist)
+        path = decided_by_rank_zero(partial(self._write, trainer, checkpoint, filename, best, inherited), trainer.dist)
         trainer.rank_zero_last = path.parent / "last.pt"  # every rank: a failure's note names rank zero's
         return path if trainer.is_global_zero else None
 
     def _copy_inherited(self, trainer, inherited: list[str]) -> None:
         """Copy the ranked files a branch inherited (those still among its best) from the run it branched from into its
         own checkpoints directory, and make ``best.pt`` (a sharded run's ``best``) name the best of them where it leads
-        the ranking (rank zero). A file gone from there (pruned since, deleted) or no longer that step's stays ranked
-        by its value, as in that run, and is named in a warning."""
+        the ranking (rank zero, at its first save). A file gone from there (pruned since, deleted) or no longer that
+        step's stays ranked by its value, as in that run, and is named in a warning."""
+        if not inherited:
+            return
         directory, source = trainer.version_dir / "checkpoints", self._inherit_from
         names = [name for name in inherited if name in self.best_k]
         gone, writing = [], directory
@@ -516,8 +516,11 @@ class ModelCheckpoint(KeyedByMonitor):
                 "ranked by their values (so the branch keeps what that run would), without a copy in this run"
             )
 
-    def _write(self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None) -> Path:
-        """Rank zero's part of a save: the file, its best-k copies, ``last.pt``, then the pruning."""
+    def _write(
+        self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None, inherited: list[str]
+    ) -> Path:
+        """Rank zero's part of a save: the file, a branch's inherited best-k files (its first save), its best-k copies,
+        ``last.pt``, then the pruning. ``last.pt`` moves last: a kill before leaves the previous one."""
         directory, path = trainer.version_dir / "checkpoints", None
         new_best = best is not None and best == next(iter(self.best_k))  # best.pt copies it (else it holds it already)
         names = [filename, *([best] if best not in (None, filename) else []), *(["best.pt"] if new_best else [])]
@@ -526,6 +529,7 @@ class ModelCheckpoint(KeyedByMonitor):
             for name in (*names, "last.pt"):  # a file of the user's at any of them stops the save before it writes
                 refuse_foreign(writing := directory / name)
             path = save_atomic(checkpoint, writing := directory / filename)
+            self._copy_inherited(trainer, inherited)
             for name in names[1:]:
                 copy_atomic(path, writing := directory / name)
             copy_atomic(path, writing := directory / "last.pt")
@@ -545,7 +549,9 @@ class ModelCheckpoint(KeyedByMonitor):
         with _deleting(directory, f"older than the keep_last={self.keep_last} newest checkpoints"):
             (prune_sharded if sharded else prune_periodic)(directory, self.keep_last, self._protected)
 
-    def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
+    def _save_sharded(
+        self, trainer, checkpoint: dict[str, Any], name: str, best: str | None, inherited: list[str]
+    ) -> Path:
         directory, path = trainer.version_dir / "checkpoints", None
         writing = directory / name
         try:
@@ -553,6 +559,8 @@ class ModelCheckpoint(KeyedByMonitor):
             if best is not None and best != name:  # one moment, two names: the state written once, then copied
                 writing = directory / best
                 decided_by_rank_zero(partial(copy_sharded, path, writing), trainer.dist)
+            if inherited:  # a branch's first save: after its own directory, so a kill leaves that one the newest
+                decided_by_rank_zero(partial(self._copy_inherited, trainer, inherited), trainer.dist)
         except BaseException as exc:  # a full disk on any rank (DCP gathers the failures): the previous ones are whole
             reason = write_failure(exc)
             if reason is None:
