@@ -481,3 +481,22 @@ def test_a_resumed_process_prunes_and_replaces_its_run_s_checkpoints_as_the_unin
     assert torch.load(mine)["weights"].tolist() == [1.0, 1.0]
     about_mine = [w for w in said if str(mine) in str(w.message)]
     assert len(about_mine) == 1 and "holds no ampkit checkpoint" in str(about_mine[0].message)
+
+
+def test_moving_a_sharded_alias_over_a_copied_checkpoint_never_deletes_a_users_folder_at_its_set_aside_name(tmp_path):
+    """``last`` copied whole by a tool that follows links is set aside as ``.last.old`` while the link takes its place;
+    whatever stood at ``.last.old`` was deleted first, a folder of the user's too."""
+    from ampkit.trainer.sharded_checkpoint import point_last_at
+
+    (tmp_path / "step-00000002").mkdir()
+    copied = tmp_path / "last"
+    copied.mkdir()
+    for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+        (copied / part).write_bytes(b"a part")
+    mine = tmp_path / ".last.old"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"\.last\.old' is a folder holding notes\.txt"):
+        point_last_at(tmp_path / "step-00000002")
+    assert (mine / "notes.txt").read_text() == "mine" and copied.is_dir() and not copied.is_symlink()
+    assert not (tmp_path / ".last.tmp").exists() and not (tmp_path / ".last.tmp").is_symlink()
