@@ -500,3 +500,32 @@ def test_moving_a_sharded_alias_over_a_copied_checkpoint_never_deletes_a_users_f
         point_last_at(tmp_path / "step-00000002")
     assert (mine / "notes.txt").read_text() == "mine" and copied.is_dir() and not copied.is_symlink()
     assert not (tmp_path / ".last.tmp").exists() and not (tmp_path / ".last.tmp").is_symlink()
+
+
+def test_pruning_a_sharded_checkpoint_past_a_users_folder_at_its_temp_name_names_it_once(tmp_path, monkeypatch):
+    """A removal renames the checkpoint to ``.step-N.tmp`` first; with a folder of the user's there the rename failed
+    and the checkpoint stayed, past keep_last, at every save's pruning without a word."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from ampkit.trainer.sharded_checkpoint import prune_sharded
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # as a Trainer sets it
+    for step in (2, 4):
+        folder = tmp_path / f"step-0000000{step}"
+        folder.mkdir()
+        for part in (".metadata", "__0_0.distcp"):
+            (folder / part).write_bytes(b"a part")
+        save_atomic({"ampkit_checkpoint": 1, "loop": {"global_step": step, "epoch": 0}}, folder / "trainer.pt")
+    mine = tmp_path / ".step-00000002.tmp"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    warned: set[Path] = set()
+    with pytest.warns(UserWarning, match=r"step-00000002' is not deleted: '.*\.step-00000002\.tmp'.* holds something"):
+        prune_sharded(tmp_path, keep_last=1, warned=warned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the next save's pruning: said once
+        prune_sharded(tmp_path, keep_last=1, warned=warned)
+    assert (tmp_path / "step-00000002" / "trainer.pt").is_file() and (mine / "notes.txt").read_text() == "mine"
+    mine.rename(tmp_path / "my-notes")
+    prune_sharded(tmp_path, keep_last=1, warned=warned)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-notes", "step-00000004"]

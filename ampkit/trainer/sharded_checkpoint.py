@@ -482,15 +482,25 @@ def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int
         return -1, -1
 
 
-def remove_sharded(path: Path) -> None:
+def remove_sharded(path: Path, warned: set[Path] | None = None) -> None:
     """Delete checkpoint directory ``path`` at once: renamed to its temp name first (``.step-00000006.tmp``, which the
     next fit's tidy removes), so a kill midway leaves no half of it under a checkpoint's name, where it would be
     neither resumable nor ever pruned. Only the checkpoint's own files go: a file the user put in it (an evaluation's
     results) is kept, back under ``path`` (a folder of the user's now, which no save replaces), and named in a
-    warning."""
+    warning. Where something of the user's stands at the temp name, ``path`` stays whole, and a warning (once per
+    ``warned``, which records it) names what is in the way."""
     doomed = path.with_name(f".{path.name}.tmp")
     if doomed.is_dir() and not doomed.is_symlink():  # an earlier removal cut short: a file of the user's there stays
         discard_checkpoint_dir(doomed, doomed)
+    if doomed.exists() or doomed.is_symlink():
+        warned = set() if warned is None else warned
+        if doomed not in warned:
+            warned.add(doomed)
+            rank_zero_warn(
+                f"'{path}' is not deleted: '{doomed}', the name ampkit deletes a checkpoint folder through, holds "
+                "something of yours, which it keeps; move that out of the checkpoints folder to let pruning go on"
+            )
+        return
     try:
         os.replace(path, doomed)
     except OSError:  # gone already, or its folder is read-only: nothing is deleted, and it stays whole
@@ -549,7 +559,7 @@ def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = No
     last = (directory / LAST).resolve()
     for old in deletable(periodic_checkpoints(directory, sharded=True), warned)[:-keep_last]:
         if old.resolve() != last:
-            remove_sharded(old)
+            remove_sharded(old, warned)
 
 
 def load_sharded(
