@@ -529,3 +529,20 @@ def test_pruning_a_sharded_checkpoint_past_a_users_folder_at_its_temp_name_names
     mine.rename(tmp_path / "my-notes")
     prune_sharded(tmp_path, keep_last=1, warned=warned)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my-notes", "step-00000004"]
+
+
+def test_a_sharded_save_of_a_name_again_names_a_users_file_at_its_set_aside_name(tmp_path):
+    """A checkpoint saved again under its name is set aside as ``.<name>.old`` first; a file of the user's there failed
+    the save with a bare 'Not a directory' naming neither it nor what to do. It is kept, and named."""
+    from ampkit.trainer.sharded_checkpoint import copy_sharded
+
+    source, alias = tmp_path / "step-00000004", tmp_path / "best-00000004"
+    for folder, text in ((source, b"new"), (alias, b"old")):
+        folder.mkdir()
+        for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+            (folder / part).write_bytes(text)
+    mine = tmp_path / ".best-00000004.old"
+    mine.write_text("my notes")
+    with pytest.raises(FileExistsError, match=r"\.best-00000004\.old' is a file: ampkit saves a checkpoint"):
+        copy_sharded(source, alias)
+    assert mine.read_text() == "my notes" and (alias / "trainer.pt").read_bytes() == b"old"

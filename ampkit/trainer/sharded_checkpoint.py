@@ -223,7 +223,7 @@ def _move_into_place(tmp: Path, path: Path) -> None:
     if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
         if aside.is_dir() and not aside.is_symlink():  # an older one a kill left: what the user put there moves on
             _carry_users_files(aside, path)
-            discard_checkpoint_dir(aside, aside)
+        clear_temp_dir(aside)  # anything else of the user's there is refused, named, before the old one moves
         os.replace(path, aside)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
