@@ -478,9 +478,10 @@ def test_restart_after_a_kill_removes_temp_files_and_extra_step_files(tmp_path):
     trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, **common}))
     trainer.fit()
     directory = trainer.version_dir / "checkpoints"
-    # What a SIGKILL leaves: a half-written temp file and step files saved but not yet pruned.
-    (directory / ".step-00000009.pt.x1y2.tmp").write_bytes(b"PK\x03\x04half")
-    (directory / ".last.pt.a1b2.tmp").write_bytes(b"")
+    # What a SIGKILL leaves: half-written temp files (mkstemp names them with 8 random characters) and step files
+    # saved but not yet pruned.
+    (directory / ".step-00000009.pt.x1y2z3w4.tmp").write_bytes(b"PK\x03\x04half")
+    (directory / ".last.pt.a1b2c3d4.tmp").write_bytes(b"")
     for step in (5, 6, 7):
         save_atomic({"ampkit_checkpoint": 1}, directory / f"step-{step:08d}.pt")
     os.utime(directory / "step-00000007.pt", ns=(0, 0))  # older than step 8 by its number, whatever its time

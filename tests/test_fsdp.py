@@ -420,7 +420,7 @@ def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_t
     temp = checkpoints / ".step-00000006.tmp"
 
     def full_disk():
-        (temp / "half").write_bytes(b"x")
+        (temp / "__0_9.distcp").write_bytes(b"x")  # what the failed write began: the partial directory is ampkit's
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def write_shards(writer, *args, **kwargs):

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_compare import assert_same_checkpoint
 from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit.trainer.checkpoint_io import CheckpointError, save_atomic
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint, save_atomic
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
 
@@ -376,3 +378,171 @@ def test_a_run_does_not_read_back_the_checkpoints_it_wrote_to_tell_them_from_a_u
     settings = {**QUIET, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1, "checkpoint.monitor": "val/mse"}
     ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.val_every_n_steps": 2})).fit()
     assert read == []
+
+
+def test_a_sharded_save_clears_only_a_killed_save_s_files_from_its_temp_folder(tmp_path):
+    """The save's temp folder (``.best-00000004.tmp``) was deleted whole before each save: a folder of that name the
+    user made, or the notes they put in one a kill left, went with it. A kill's own leftovers (DCP's ``.metadata.tmp``,
+    a shard, ``trainer.pt``'s temp file) still go, and the save is made."""
+    from ampkit.trainer.sharded_checkpoint import copy_sharded
+
+    source, alias = tmp_path / "step-00000004", tmp_path / "best-00000004"
+    source.mkdir()
+    for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+        (source / part).write_bytes(b"new")
+    tmp = tmp_path / ".best-00000004.tmp"
+    tmp.mkdir()
+    for leftover in (".metadata.tmp", "__0_0.distcp", ".trainer.pt.k3x9_q0a.tmp", "..metadata.abcd1234.tmp"):
+        (tmp / leftover).write_bytes(b"half")
+    copy_sharded(source, alias)
+    assert sorted(p.name for p in alias.iterdir()) == [".metadata", "__0_0.distcp", "trainer.pt"]
+    assert not tmp.exists()
+
+    shutil.rmtree(alias)  # made again below, where only its temp folder is in the way
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"half")
+    (tmp / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"\.best-00000004\.tmp' is a folder holding notes\.txt") as raised:
+        copy_sharded(source, alias)
+    assert raised.value.filename == str(tmp) and (tmp / "notes.txt").read_text() == "mine"
+    assert not alias.exists()
+
+    shutil.rmtree(tmp)
+    tmp.write_text("a file of mine")
+    with pytest.raises(FileExistsError, match="is a file: ampkit saves a checkpoint through that temp name"):
+        copy_sharded(source, alias)
+    assert tmp.read_text() == "a file of mine"
+
+
+def test_moving_a_sharded_alias_never_deletes_a_users_file_at_its_temp_name(tmp_path):
+    """``point_last_at`` deleted whatever stood at ``.last.tmp`` before making its link there; ampkit makes only a link
+    there, which a kill may leave and which goes."""
+    from ampkit.trainer.sharded_checkpoint import point_last_at
+
+    (tmp_path / "step-00000001").mkdir()
+    mine = tmp_path / ".last.tmp"
+    mine.write_bytes(b"my notes")
+    with pytest.raises(FileExistsError, match="ampkit makes its last link through that temp name") as raised:
+        point_last_at(tmp_path / "step-00000001")
+    assert raised.value.filename == str(mine) and mine.read_bytes() == b"my notes"
+    assert not (tmp_path / "last").exists()
+    mine.unlink()
+    os.symlink("step-00000001", mine)  # a kill's
+    point_last_at(tmp_path / "step-00000001")
+    assert os.readlink(tmp_path / "last") == "step-00000001" and not mine.is_symlink()
+
+
+def test_a_resumed_process_prunes_and_replaces_its_run_s_checkpoints_as_the_uninterrupted_run(tmp_path):
+    """A resume is a new process: it has not written the run's earlier checkpoints (checkpoint_io's record of what this
+    process wrote is empty), so it reads them to tell them from the user's. It must still replace last.pt and best.pt,
+    prune the step files past keep_last and the best files out of the top k, exactly as one uninterrupted run does,
+    and keep (naming it once in the run) a file of the user's under a checkpoint's name."""
+    from ampkit.trainer import checkpoint_io
+
+    settings = {
+        **QUIET,
+        "checkpoint.every_n_steps": 2,
+        "checkpoint.keep_last": 2,
+        "checkpoint.monitor": "val/mse",
+        "checkpoint.save_top_k": 2,
+        "trainer.val_every_n_steps": 2,
+        "trainer.max_epochs": 3,
+    }
+    straight = ToyTrainer(toy_cfg(tmp_path / "straight", **settings, **{"trainer.max_steps": 16}))
+    straight.fit()
+    first = ToyTrainer(toy_cfg(tmp_path / "resumed", **settings, **{"trainer.max_steps": 6}))
+    first.fit()
+    checkpoints = first.version_dir / "checkpoints"
+    mine = checkpoints / "step-00000001.pt"
+    torch.save({"weights": torch.ones(2)}, mine)
+    checkpoint_io._WRITTEN.clear()  # a new process: it wrote none of them
+    checkpoint_io._holds_ampkit_checkpoint.cache_clear()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        resumed = ToyTrainer(toy_cfg(tmp_path / "resumed", **settings, **{"trainer.max_steps": 16}))
+        resumed.fit(resume="last")
+    assert resumed.version_dir == first.version_dir
+
+    def names(run) -> list[str]:
+        return sorted(p.name for p in (run.version_dir / "checkpoints").iterdir())
+
+    assert resumed.state.global_step == 16
+    assert names(resumed) == sorted([*names(straight), mine.name])
+    for name in names(straight):
+        ours, theirs = (load_checkpoint(r.version_dir / "checkpoints" / name) for r in (resumed, straight))
+        # what differs: what the resume saved remembers that it named the user's file; the first run's, its max_steps
+        resumed_saved = ours["loop"]["global_step"] > 6
+        named = [mine.name] if resumed_saved else []
+        assert ours["callbacks"]["ModelCheckpoint[val/mse]"].pop("protected") == named, name
+        if not resumed_saved:
+            ours["config"]["trainer"]["max_steps"] = 16
+        theirs["callbacks"]["ModelCheckpoint[val/mse]"].pop("protected")
+        assert_same_checkpoint(ours, theirs)
+    assert torch.load(mine)["weights"].tolist() == [1.0, 1.0]
+    about_mine = [w for w in said if str(mine) in str(w.message)]
+    assert len(about_mine) == 1 and "holds no ampkit checkpoint" in str(about_mine[0].message)
+
+
+def test_moving_a_sharded_alias_over_a_copied_checkpoint_never_deletes_a_users_folder_at_its_set_aside_name(tmp_path):
+    """``last`` copied whole by a tool that follows links is set aside as ``.last.old`` while the link takes its place;
+    whatever stood at ``.last.old`` was deleted first, a folder of the user's too."""
+    from ampkit.trainer.sharded_checkpoint import point_last_at
+
+    (tmp_path / "step-00000002").mkdir()
+    copied = tmp_path / "last"
+    copied.mkdir()
+    for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+        (copied / part).write_bytes(b"a part")
+    mine = tmp_path / ".last.old"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"\.last\.old' is a folder holding notes\.txt"):
+        point_last_at(tmp_path / "step-00000002")
+    assert (mine / "notes.txt").read_text() == "mine" and copied.is_dir() and not copied.is_symlink()
+    assert not (tmp_path / ".last.tmp").exists() and not (tmp_path / ".last.tmp").is_symlink()
+
+
+def test_pruning_a_sharded_checkpoint_past_a_users_folder_at_its_temp_name_names_it_once(tmp_path, monkeypatch):
+    """A removal renames the checkpoint to ``.step-N.tmp`` first; with a folder of the user's there the rename failed
+    and the checkpoint stayed, past keep_last, at every save's pruning without a word."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from ampkit.trainer.sharded_checkpoint import prune_sharded
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # as a Trainer sets it
+    for step in (2, 4):
+        folder = tmp_path / f"step-0000000{step}"
+        folder.mkdir()
+        for part in (".metadata", "__0_0.distcp"):
+            (folder / part).write_bytes(b"a part")
+        save_atomic({"ampkit_checkpoint": 1, "loop": {"global_step": step, "epoch": 0}}, folder / "trainer.pt")
+    mine = tmp_path / ".step-00000002.tmp"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    warned: set[Path] = set()
+    with pytest.warns(UserWarning, match=r"step-00000002' is not deleted: '.*\.step-00000002\.tmp'.* holds something"):
+        prune_sharded(tmp_path, keep_last=1, warned=warned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the next save's pruning: said once
+        prune_sharded(tmp_path, keep_last=1, warned=warned)
+    assert (tmp_path / "step-00000002" / "trainer.pt").is_file() and (mine / "notes.txt").read_text() == "mine"
+    mine.rename(tmp_path / "my-notes")
+    prune_sharded(tmp_path, keep_last=1, warned=warned)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-notes", "step-00000004"]
+
+
+def test_a_sharded_save_of_a_name_again_names_a_users_file_at_its_set_aside_name(tmp_path):
+    """A checkpoint saved again under its name is set aside as ``.<name>.old`` first; a file of the user's there failed
+    the save with a bare 'Not a directory' naming neither it nor what to do. It is kept, and named."""
+    from ampkit.trainer.sharded_checkpoint import copy_sharded
+
+    source, alias = tmp_path / "step-00000004", tmp_path / "best-00000004"
+    for folder, text in ((source, b"new"), (alias, b"old")):
+        folder.mkdir()
+        for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+            (folder / part).write_bytes(text)
+    mine = tmp_path / ".best-00000004.old"
+    mine.write_text("my notes")
+    with pytest.raises(FileExistsError, match=r"\.best-00000004\.old' is a file: ampkit saves a checkpoint"):
+        copy_sharded(source, alias)
+    assert mine.read_text() == "my notes" and (alias / "trainer.pt").read_bytes() == b"old"

@@ -106,6 +106,72 @@ def test_a_branch_from_best_with_a_top_k_ranks_its_own_checkpoints(tmp_path, sha
     assert (checkpoints / ("best" if sharded else "best.pt")).exists()  # one of them, not dangling
 
 
+class TiedScores(ToyTrainer):
+    """A validation score that ties: step 8 and 10 score what step 4 did."""
+
+    SCORES = {2: 3.0, 4: 1.0, 6: 2.0, 8: 1.0, 10: 1.0}
+
+    def validation_step(self, batch):
+        return {"score": self.SCORES.get(self.state.global_step, 9.0)}  # 9: the sanity check
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "fsdp"])
+@pytest.mark.parametrize(("top_k", "kept"), [(1, ["best-00000004"]), (2, ["best-00000004", "best-00000008"])])
+def test_a_branch_keeps_on_a_tie_what_the_run_it_branched_from_keeps(tmp_path, sharded, top_k, kept):
+    """A branch from step 6 ranked afresh in its new version directory, so step 8's score, equal to step 4's, entered
+    its top k where the uninterrupted run kept step 4 (a tie does not displace): it continues the saved ranking, with
+    copies of the ranked files, and the run it branched from is left as it was."""
+    settings = {
+        **QUIET,
+        "checkpoint.monitor": "val/score",
+        "checkpoint.save_top_k": top_k,
+        "checkpoint.every_n_steps": 2,
+        "checkpoint.keep_last": 9,
+        "trainer.val_every_n_steps": 2,
+        "trainer.max_steps": 10,
+        "trainer.max_epochs": 2,
+        **({"distributed.strategy": "fsdp"} if sharded else {}),
+    }
+    straight = TiedScores(toy_cfg(tmp_path, **settings))
+    straight.fit()
+    before = _files(straight.version_dir)
+    branch = TiedScores(toy_cfg(tmp_path, **settings))
+    branch.fit(resume=straight.version_dir / "checkpoints" / ("step-00000006" + ("" if sharded else ".pt")))
+    assert branch.version_dir.name == "version_1" and _files(straight.version_dir) == before
+
+    def ranked(run) -> list[str]:
+        names = (p.name for p in (run.version_dir / "checkpoints").iterdir())
+        return sorted(n.removesuffix(".pt") for n in names if re.fullmatch(r"best-\d{8}(\.pt)?", n))
+
+    assert ranked(straight) == ranked(branch) == kept
+    best = branch.version_dir / "checkpoints" / ("best" if sharded else "best.pt")
+    part = best / "trainer.pt" if sharded else best
+    assert load_checkpoint(part)["loop"]["global_step"] == 4
+    assert [Path(p).parent for p in branch.callbacks[-1].best_k_models] == [best.parent] * top_k
+
+
+def test_a_branch_whose_ranked_file_is_gone_keeps_its_value_and_names_it(tmp_path):
+    """A ranked file pruned (here deleted) from the run branched from since cannot be copied: it stays ranked by its
+    value, so the tie at step 8 still does not enter, and a warning names it."""
+    settings = {
+        **QUIET,
+        "checkpoint.monitor": "val/score",
+        "checkpoint.every_n_steps": 2,
+        "checkpoint.keep_last": 9,
+        "trainer.val_every_n_steps": 2,
+        "trainer.max_steps": 10,
+        "trainer.max_epochs": 2,
+    }
+    straight = TiedScores(toy_cfg(tmp_path, **settings))
+    straight.fit()
+    (straight.version_dir / "checkpoints" / "best-00000004.pt").unlink()
+    branch = TiedScores(toy_cfg(tmp_path, **settings))
+    with pytest.warns(UserWarning, match=r"names best-00000004\.pt, no longer in '.*version_0/checkpoints'"):
+        branch.fit(resume=straight.version_dir / "checkpoints" / "step-00000006.pt")
+    assert list(branch.callbacks[-1].best_k) == ["best-00000004.pt"]
+    assert not list((branch.version_dir / "checkpoints").glob("best*"))
+
+
 def test_the_branch_is_named_in_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -433,11 +499,80 @@ def _plant_stale_temps(checkpoints) -> tuple[list, list]:
         checkpoints / ".last.pt.tmp",
         checkpoints.parent / "x.tmp",
     ]
-    for path in ours[:2] + ours[3:] + users:
+    for path in ours[:2] + ours[3:]:
+        path.write_bytes(b"PK\x03\x04half")  # the start of torch's zip archive, cut short
+    for path in users:
         path.write_bytes(b"half")
     ours[2].mkdir()
     (ours[2] / "trainer.pt").write_bytes(b"half")
     return ours, users
+
+
+def test_the_tidy_deletes_no_file_of_the_user_s_that_only_looks_like_a_temp_name(tmp_path):
+    """The tidy took any ``.<checkpoint>.pt.<word>.tmp`` for a killed save's temp file, and any link at a sharded
+    temp name for its own: the user's ``.last.pt.backup.tmp``, notes under mkstemp's very name shape, and a link to
+    their own folder went. A killed save's files (a temp file holding the start of a zip archive, the ``.last.tmp``
+    link) still go."""
+    from ampkit.trainer.run_life import remove_stale_temps
+
+    checkpoints = tmp_path / "version_0" / "checkpoints"
+    (checkpoints / "exports").mkdir(parents=True)
+    users = [checkpoints / ".last.pt.backup.tmp", checkpoints / ".best.pt.abcd1234.tmp"]
+    for path in users:
+        path.write_text("my notes")
+    os.symlink("exports", checkpoints / ".step-00000006.tmp")
+    ours = [checkpoints / ".step-00000002.pt.k3x9_q0a.tmp", checkpoints / ".last.pt.zz99yy88.tmp"]
+    ours[0].write_bytes(b"PK\x03\x04")
+    ours[1].write_bytes(b"")  # killed before its first byte
+    os.symlink("step-00000004", checkpoints / ".last.tmp")
+    removed = remove_stale_temps(tmp_path / "version_0")
+    assert sorted(removed) == sorted([*ours, checkpoints / ".last.tmp"])
+    assert all(path.read_text() == "my notes" for path in users)
+    assert os.readlink(checkpoints / ".step-00000006.tmp") == "exports"
+
+
+def test_a_sharded_temp_folder_s_own_temp_files_are_the_kill_s_not_the_user_s(tmp_path, monkeypatch):
+    """A kill mid-save leaves DCP's ``.metadata.tmp`` and ``trainer.pt``'s temp file in the save's folder: the tidy
+    took them for the user's, put the folder back under the checkpoint's name, and every later save of that name (a
+    resume's) was refused for the user's folder standing there."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from ampkit.trainer.run_life import remove_stale_temps
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # as a Trainer sets it
+    checkpoints = tmp_path / "version_0" / "checkpoints"
+    tmp = checkpoints / ".step-00000006.tmp"
+    tmp.mkdir(parents=True)
+    for part in ("__0_0.distcp", "__1_0.distcp", ".metadata.tmp", ".trainer.pt.k3x9_q0a.tmp"):
+        (tmp / part).write_bytes(b"half")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing of the user's to name
+        assert remove_stale_temps(tmp_path / "version_0") == [tmp]
+    assert list(checkpoints.iterdir()) == []
+
+
+def test_a_set_aside_folder_kept_for_the_user_s_files_is_named_once_not_at_every_fit(tmp_path, monkeypatch):
+    """A ``.step-N.old`` folder kept for the notes the user had put in it was named again, and counted among the temp
+    files removed, by the tidy of every later fit in the run directory."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from ampkit.trainer.run_life import remove_stale_temps
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # as a Trainer sets it
+    checkpoints = tmp_path / "version_0" / "checkpoints"
+    aside = checkpoints / ".step-00000002.old"
+    aside.mkdir(parents=True)
+    (checkpoints / "step-00000002").mkdir()
+    for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+        (aside / part).write_bytes(b"a part")
+    (aside / "notes.txt").write_text("the run before the fix")
+    with pytest.warns(UserWarning, match=r"step-00000002\.old' held notes\.txt"):
+        assert remove_stale_temps(tmp_path / "version_0") == [aside]
+    for _ in range(2):  # the next fits' tidies
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert remove_stale_temps(tmp_path / "version_0") == []
+    assert [p.name for p in aside.iterdir()] == ["notes.txt"]
 
 
 def test_any_resume_removes_only_ampkit_s_stale_temp_files(tmp_path, capsys):

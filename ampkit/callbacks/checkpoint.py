@@ -121,6 +121,8 @@ class ModelCheckpoint(KeyedByMonitor):
         self._directory: Path | None = None  # the checkpoints directory of the latest fit, which best_k's names are in
         self._newest: str | None = None  # the step or epoch file it saved last: best_model_path without a monitor
         self._current: float | None = None  # the monitored value of the best-k file saved last (current_score)
+        self._inherited: list[str] = []  # a branch's ranked files, in the run it branched from: copied at its save
+        self._inherit_from: Path | None = None  # that run's checkpoints directory
 
     @property
     def best_k_models(self) -> dict[str, float]:
@@ -225,10 +227,12 @@ class ModelCheckpoint(KeyedByMonitor):
         self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
-        if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
-            self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
-            self._newest = self._current = None
-            self._protected_before = []
+        self._inherited, self._inherit_from = [], None
+        if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files are in the old one
+            # The branch ranks on from the restored ranking (ties too), so it keeps what the run it branched from
+            # would have; its first save copies the ranked files in (on every rank alike: all save shards).
+            self._inherited, self._inherit_from = list(self.best_k), trainer.fit_start.branched_from.parent
+            self.kept, self._newest, self._protected_before = [], None, []
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
         # every rank here, or the others would train on into a collective it never joins.
         decided_by_rank_zero(partial(self._tidy, trainer, peers), trainer.dist)
@@ -252,7 +256,7 @@ class ModelCheckpoint(KeyedByMonitor):
                     best.unlink(missing_ok=True)
                 elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True):
                     if is_sharded_checkpoint(best) and not best.is_symlink():  # a whole model and optimizer state
-                        remove_sharded(best)
+                        remove_sharded(best, self._protected)
         if trainer.sharded:
             self._copy_resumed_moment(trainer, directory)
             self._relink_best(directory)
@@ -345,7 +349,7 @@ class ModelCheckpoint(KeyedByMonitor):
         with _deleting(directory, f"out of the save_top_k={self.save_top_k} best"):
             for name in (old.name for old in deletable([directory / name for name in dropped], self._protected)):
                 if trainer.sharded:
-                    remove_sharded(directory / name)
+                    remove_sharded(directory / name, self._protected)
                 else:
                     (directory / name).unlink(missing_ok=True)
 
@@ -464,16 +468,60 @@ class ModelCheckpoint(KeyedByMonitor):
                 "torch.serialization.add_safe_globals allows"
             )
         self._saved_at = _moment(trainer)
+        inherited, self._inherited = self._inherited, []  # a branch's first save copies them; on every rank alike
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
-            return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)
+            return self._save_sharded(trainer, checkpoint, Path(filename).stem, best, inherited)
         # Rank zero writes the file; where that fails (a full disk) every rank stops here with its error, rather than
         # training on into a collective rank zero never joins.
-        path = decided_by_rank_zero(partial(self._write, trainer, checkpoint, filename, best), trainer.dist)
+        path = decided_by_rank_zero(partial(self._write, trainer, checkpoint, filename, best, inherited), trainer.dist)
         trainer.rank_zero_last = path.parent / "last.pt"  # every rank: a failure's note names rank zero's
         return path if trainer.is_global_zero else None
 
-    def _write(self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None) -> Path:
-        """Rank zero's part of a save: the file, its best-k copies, ``last.pt``, then the pruning."""
+    def _copy_inherited(self, trainer, inherited: list[str]) -> None:
+        """Copy the ranked files a branch inherited (those still among its best) from the run it branched from into its
+        own checkpoints directory, and make ``best.pt`` (a sharded run's ``best``) name the best of them where it leads
+        the ranking (rank zero, at its first save). A file gone from there (pruned since, deleted) or no longer that
+        step's stays ranked by its value, as in that run, and is named in a warning."""
+        if not inherited:
+            return
+        directory, source = trainer.version_dir / "checkpoints", self._inherit_from
+        names = [name for name in inherited if name in self.best_k]
+        gone, writing = [], directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for name in names:
+                origin, writing = source / name, directory / name
+                whole = is_sharded_checkpoint(origin) if trainer.sharded else origin.is_file()
+                loop = loop_of(origin) if whole else None
+                if loop is None or loop.get("global_step") != int(name.removeprefix("best-").removesuffix(".pt")):
+                    gone.append(name)
+                elif trainer.sharded:
+                    copy_sharded(origin, writing)
+                else:
+                    refuse_foreign(writing)
+                    copy_atomic(origin, writing)
+            best = directory / next(iter(self.best_k))
+            if best.name in names and best.name not in gone:
+                if trainer.sharded:
+                    writing = directory / "best"
+                    point_last_at(best, "best")
+                else:
+                    refuse_foreign(writing := directory / "best.pt")
+                    copy_atomic(best, writing)
+        except OSError as exc:  # a full disk: the run it branched from is as it was, and this one has no save yet
+            last = directory / ("last" if trainer.sharded else "last.pt")
+            raise _save_failed(writing, exc.strerror or str(exc), last, None, exc, trainer.rank_zero_last) from None
+        if gone:
+            rank_zero_warn(
+                f"the best-k ranking this branch continues names {', '.join(gone)}, no longer in '{source}': they stay "
+                "ranked by their values (so the branch keeps what that run would), without a copy in this run"
+            )
+
+    def _write(
+        self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None, inherited: list[str]
+    ) -> Path:
+        """Rank zero's part of a save: the file, a branch's inherited best-k files (its first save), its best-k copies,
+        ``last.pt``, then the pruning. ``last.pt`` moves last: a kill before leaves the previous one."""
         directory, path = trainer.version_dir / "checkpoints", None
         new_best = best is not None and best == next(iter(self.best_k))  # best.pt copies it (else it holds it already)
         names = [filename, *([best] if best not in (None, filename) else []), *(["best.pt"] if new_best else [])]
@@ -482,6 +530,7 @@ class ModelCheckpoint(KeyedByMonitor):
             for name in (*names, "last.pt"):  # a file of the user's at any of them stops the save before it writes
                 refuse_foreign(writing := directory / name)
             path = save_atomic(checkpoint, writing := directory / filename)
+            self._copy_inherited(trainer, inherited)
             for name in names[1:]:
                 copy_atomic(path, writing := directory / name)
             copy_atomic(path, writing := directory / "last.pt")
@@ -501,7 +550,9 @@ class ModelCheckpoint(KeyedByMonitor):
         with _deleting(directory, f"older than the keep_last={self.keep_last} newest checkpoints"):
             (prune_sharded if sharded else prune_periodic)(directory, self.keep_last, self._protected)
 
-    def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
+    def _save_sharded(
+        self, trainer, checkpoint: dict[str, Any], name: str, best: str | None, inherited: list[str]
+    ) -> Path:
         directory, path = trainer.version_dir / "checkpoints", None
         writing = directory / name
         try:
@@ -509,6 +560,8 @@ class ModelCheckpoint(KeyedByMonitor):
             if best is not None and best != name:  # one moment, two names: the state written once, then copied
                 writing = directory / best
                 decided_by_rank_zero(partial(copy_sharded, path, writing), trainer.dist)
+            if inherited:  # a branch's first save: after its own directory, so a kill leaves that one the newest
+                decided_by_rank_zero(partial(self._copy_inherited, trainer, inherited), trainer.dist)
         except BaseException as exc:  # a full disk on any rank (DCP gathers the failures): the previous ones are whole
             reason = write_failure(exc)
             if reason is None:

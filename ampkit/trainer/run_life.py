@@ -834,9 +834,10 @@ def _without_header(text: str) -> str:
 # (a checkpoint set aside while its name is saved again) and ``.last.tmp`` link; in the version directory the
 # config's and lineage's temp files and the lock's (``.run.lock.<pid>.tmp``, ``.run.lock.stale.<pid>``).
 _CHECKPOINT = rf"(?:{PERIODIC_STEM}|{BEST_K_STEM}|last|best)"
-_RANDOM = r"\.[a-z0-9_]+\.tmp"  # mkstemp's random part
+_RANDOM = r"\.[a-z0-9_]{8}\.tmp"  # mkstemp's random part: eight of these characters, never another length
 _TEMP_FILE = re.compile(rf"^\.{_CHECKPOINT}\.pt{_RANDOM}$")
 _TEMP_SHARDED = re.compile(rf"^\.{_CHECKPOINT}\.tmp$")
+_TEMP_LINK = re.compile(r"^\.(?:last|best)\.tmp$")  # point_last_at's: the only links ampkit makes there
 _SET_ASIDE = re.compile(rf"^\.({_CHECKPOINT})\.old$")
 _TEMP_TEXT = re.compile(rf"^\.(?:config(?:\.resumed_at_step_\d+(?:\.\d+)?)?|lineage)\.yaml{_RANDOM}$")
 _LOCK_TEMP = re.compile(rf"^\.{re.escape(LOCK_FILE)}\.(?:(\d+)\.tmp|stale\.(\d+))$")
@@ -857,20 +858,44 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
         return removed
     for path in sorted(checkpoints.iterdir()):
         name, link = path.name, path.is_symlink()
-        if _TEMP_FILE.match(name) and (link or path.is_file()) or _TEMP_SHARDED.match(name) and link:
+        if _TEMP_FILE.match(name) and not link and _half_written(path) or _TEMP_LINK.match(name) and _our_link(path):
             path.unlink(missing_ok=True)
-        elif _TEMP_SHARDED.match(name) and path.is_dir():  # a file the user put in it stays, back under its name
-            discard_checkpoint_dir(path, checkpoints / name[1 : -len(".tmp")])
+        elif _TEMP_SHARDED.match(name) and path.is_dir() and not link:
+            # a file the user put in it stays, back under its name
+            if not discard_checkpoint_dir(path, checkpoints / name[1 : -len(".tmp")]):
+                continue
         elif (aside := _SET_ASIDE.match(name)) and path.is_dir() and not link:
             original = checkpoints / aside.group(1)
             if not original.exists():  # killed between setting it aside and renaming its replacement in: the only copy
                 os.replace(path, original)
                 continue
-            discard_checkpoint_dir(path, path)  # a file the user put in it stays there
+            if not discard_checkpoint_dir(path, path):  # the user's files alone, named by the tidy that kept them
+                continue
         else:
             continue
         removed.append(path)
     return removed
+
+
+def _half_written(path: Path) -> bool:
+    """Whether file ``path`` under a checkpoint's temp name holds what a killed ``torch.save`` (or a copy of its file)
+    leaves: nothing yet, or the start of torch's zip archive. A file of the user's that happens to have such a name
+    (their notes, a YAML) is no checkpoint's beginning, and stays."""
+    try:
+        with path.open("rb") as file:
+            start = file.read(4)
+    except OSError:  # gone, unreadable, or no file: nothing to remove
+        return False
+    return start == b"PK\x03\x04"[: len(start)]
+
+
+def _our_link(path: Path) -> bool:
+    """Whether ``path`` is a link as :func:`point_last_at` makes one: to a checkpoint's name beside it."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return False
+    return re.fullmatch(_CHECKPOINT, target) is not None
 
 
 def prune_periodic(checkpoints: Path, keep_last: int, warned: set[Path] | None = None) -> None:

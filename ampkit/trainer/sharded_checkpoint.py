@@ -14,7 +14,6 @@ import errno
 import functools
 import os
 import re
-import shutil
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -130,8 +129,32 @@ def _make_room(path: Path, tmp: Path) -> None:
     save's files."""
     refuse_protected(path)
     refuse_users_own(path)
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+    clear_temp_dir(tmp)  # left by a crash during an earlier save
     tmp.mkdir(parents=True)
+
+
+def clear_temp_dir(tmp: Path) -> None:
+    """Delete what a crashed save or removal left at temp folder name ``tmp`` (its checkpoint's own files only), so a
+    save can make it afresh; a ``FileExistsError`` naming it where anything else is there (a file, a link or a folder
+    of the user's, or a file of theirs in ampkit's folder), which stays as it is."""
+    if not tmp.exists() and not tmp.is_symlink():
+        return
+    if tmp.is_dir() and not tmp.is_symlink():
+        for part in filter(_is_checkpoint_part, tmp.iterdir()):
+            part.unlink(missing_ok=True)
+        kept = sorted(p.name for p in tmp.iterdir())
+        if not kept:
+            tmp.rmdir()
+            return
+        what = f"a folder holding {', '.join(kept)}, which ampkit did not write"
+    else:
+        what = "a link" if tmp.is_symlink() else "a file"
+    raise FileExistsError(
+        errno.EEXIST,
+        f"'{tmp}' is {what}: ampkit saves a checkpoint through that temp name and leaves what is yours as it is; "
+        "move it out of the checkpoints folder",
+        str(tmp),
+    )
 
 
 def save_sharded(
@@ -166,8 +189,8 @@ def save_sharded(
     except BaseException as exc:
         # DCP fails on every rank once all are done writing; trainer.pt is rank zero's last write: the partial
         # directory goes now, not at the next run, so a full disk gets its space back.
-        if is_zero and write_failure(exc) is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if is_zero and write_failure(exc) is not None and tmp.is_dir():
+            discard_checkpoint_dir(tmp, tmp)
         raise
     barrier(f"the end of the save of {path.name}")
     return path
@@ -200,7 +223,7 @@ def _move_into_place(tmp: Path, path: Path) -> None:
     if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
         if aside.is_dir() and not aside.is_symlink():  # an older one a kill left: what the user put there moves on
             _carry_users_files(aside, path)
-            discard_checkpoint_dir(aside, aside)
+        clear_temp_dir(aside)  # anything else of the user's there is refused, named, before the old one moves
         os.replace(path, aside)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
@@ -230,7 +253,8 @@ def copy_sharded(source: Path, alias: Path) -> Path:
             copy_atomic(file, tmp / file.name)
         _move_into_place(tmp, alias)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back now, not at the next run
+        if tmp.is_dir():  # a full disk gets its space back now, not at the next run
+            discard_checkpoint_dir(tmp, tmp)
         raise
     return alias
 
@@ -397,14 +421,19 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
     link = path.parent / alias
     refuse_users_own(link)
     tmp = path.parent / f".{alias}.tmp"
-    tmp.unlink(missing_ok=True)
+    if tmp.is_symlink():  # the link a kill left
+        tmp.unlink()
+    elif tmp.exists():  # ampkit makes only a link there: a file or folder of the user's stays, refused
+        raise FileExistsError(
+            errno.EEXIST, f"'{tmp}' is yours: ampkit makes its {alias} link through that temp name; move it", str(tmp)
+        )
     os.symlink(path.name, tmp)
     aside = link.with_name(f".{alias}.old")
     copied = link.is_dir() and not link.is_symlink()
     try:
         if copied:  # a symlink cannot be renamed over a directory
             refuse_protected(link)
-            shutil.rmtree(aside, ignore_errors=True)
+            clear_temp_dir(aside)  # an older copy a kill left; the user's own there is refused, not deleted
             os.replace(link, aside)
         os.replace(tmp, link)
     except BaseException:  # a full disk, an I/O error: no temp link is left, and a copy set aside is put back
@@ -415,8 +444,8 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
                 os.replace(aside, link)
         raise
     _fsync_dir(path.parent)
-    if copied:
-        shutil.rmtree(aside, ignore_errors=True)
+    if copied:  # what the user put in the copy stays, named
+        discard_checkpoint_dir(aside, aside)
 
 
 def periodic_checkpoints(directory: Path, sharded: bool) -> list[Path]:
@@ -453,15 +482,25 @@ def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int
         return -1, -1
 
 
-def remove_sharded(path: Path) -> None:
+def remove_sharded(path: Path, warned: set[Path] | None = None) -> None:
     """Delete checkpoint directory ``path`` at once: renamed to its temp name first (``.step-00000006.tmp``, which the
     next fit's tidy removes), so a kill midway leaves no half of it under a checkpoint's name, where it would be
     neither resumable nor ever pruned. Only the checkpoint's own files go: a file the user put in it (an evaluation's
     results) is kept, back under ``path`` (a folder of the user's now, which no save replaces), and named in a
-    warning."""
+    warning. Where something of the user's stands at the temp name, ``path`` stays whole, and a warning (once per
+    ``warned``, which records it) names what is in the way."""
     doomed = path.with_name(f".{path.name}.tmp")
     if doomed.is_dir() and not doomed.is_symlink():  # an earlier removal cut short: a file of the user's there stays
         discard_checkpoint_dir(doomed, doomed)
+    if doomed.exists() or doomed.is_symlink():
+        warned = set() if warned is None else warned
+        if doomed not in warned:
+            warned.add(doomed)
+            rank_zero_warn(
+                f"'{path}' is not deleted: '{doomed}', the name ampkit deletes a checkpoint folder through, holds "
+                "something of yours, which it keeps; move that out of the checkpoints folder to let pruning go on"
+            )
+        return
     try:
         os.replace(path, doomed)
     except OSError:  # gone already, or its folder is read-only: nothing is deleted, and it stays whole
@@ -469,35 +508,49 @@ def remove_sharded(path: Path) -> None:
     discard_checkpoint_dir(doomed, path)
 
 
-def discard_checkpoint_dir(directory: Path, home: Path) -> None:
+def discard_checkpoint_dir(directory: Path, home: Path) -> bool:
     """Delete the checkpoint's own files in ``directory`` (a temp name a removal or a save gave it), and the directory
     once nothing else is left. What the user put there is kept: the directory goes back to ``home``, its checkpoint's
-    name, where nothing is now (else it stays as it is), and a warning names the files."""
+    name, where nothing is now (else it stays as it is), and a warning names the files, once: a folder that holds
+    nothing of ampkit's any more (told so before) is left without a word. Returns whether anything was removed."""
+    removed = False
     for part in directory.iterdir():
         if _is_checkpoint_part(part):
             with suppress(OSError):
                 part.unlink()
+                removed = True
     kept = sorted(p.name for p in directory.iterdir())
     if not kept:
         with suppress(OSError):
             directory.rmdir()
-        return
+            removed = True
+        return removed
     if not home.exists() and not home.is_symlink():
         with suppress(OSError):
             os.replace(directory, home)
+    if not removed and directory.exists():  # only the user's files, as a tidy before found and named them
+        return False
     where = home if not directory.exists() else directory
     rank_zero_warn(
         f"'{where}' held {', '.join(kept)} beside the checkpoint, which ampkit did not write: the checkpoint's own "
         "files were deleted and yours kept there; move them elsewhere if you want the folder gone"
     )
+    return removed
+
+
+# The files a sharded save writes into its folder, and a kill can leave there: DCP's ``.metadata`` (written as
+# ``.metadata.tmp`` first; ``__<rank>.metadata`` where the ranks plan alone) and ``__<rank>_<n>.distcp`` shards,
+# ``trainer.pt``, and the ``.<file>.<random>.tmp`` files ``save_atomic`` and ``copy_atomic`` (a best-k copy) write
+# first. Nothing else in such a folder is ampkit's.
+_CHECKPOINT_PART = re.compile(
+    rf"(?:\.metadata(?:\.tmp)?|__\d+\.metadata(?:\.tmp)?|__\d+_\d+\.distcp|{re.escape(TRAINER_FILE)})"
+    rf"|\.(?:\.metadata|__\d+_\d+\.distcp|{re.escape(TRAINER_FILE)})\.[a-z0-9_]{{8}}\.tmp"
+)
 
 
 def _is_checkpoint_part(path: Path) -> bool:
-    """Whether ``path``, in a sharded checkpoint directory, is a file a save wrote there: DCP's ``.metadata`` and
-    ``__<rank>_<n>.distcp`` shards, ``trainer.pt``."""
-    name = path.name
-    shard = name.startswith("__") and name.endswith(".distcp")
-    return (name in (".metadata", TRAINER_FILE) or shard) and path.is_file() and not path.is_symlink()
+    """Whether ``path``, in a sharded checkpoint directory, is a file a save wrote there (see above)."""
+    return _CHECKPOINT_PART.fullmatch(path.name) is not None and path.is_file() and not path.is_symlink()
 
 
 def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = None) -> None:
@@ -506,7 +559,7 @@ def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = No
     last = (directory / LAST).resolve()
     for old in deletable(periodic_checkpoints(directory, sharded=True), warned)[:-keep_last]:
         if old.resolve() != last:
-            remove_sharded(old)
+            remove_sharded(old, warned)
 
 
 def load_sharded(
