@@ -10,11 +10,14 @@ itself, is named.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.config_sources import is_set, merged, sources_of, written_value
+
+AUTO = "auto"  # an opt level the run chooses when it starts (ampkit.examples.gpt's choose_precision)
 
 
 def unread_keys(cfg: DictConfig, world_size: int, validates: bool = True) -> dict[str, str]:
@@ -77,10 +80,22 @@ def unread_settings(cfg: DictConfig, schema: type, world_size: int, validates: b
         writers = [index for index, source in enumerate(sources) if is_set(written_value(source, key))]
         if not writers:
             continue
-        as_written = OmegaConf.create(merged(defaults, *sources[: writers[-1] + 1]))
+        as_written = OmegaConf.create(_as_chosen(merged(defaults, *sources[: writers[-1] + 1]), values))
         if key in _unread_as_written(as_written, world_size, validates):
             named.setdefault(why, []).append(f"{key}={_shown(value)}")
     return [f"{why}, so this run does not read {', '.join(keys)}" for why, keys in named.items()]
+
+
+def _as_chosen(as_written: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """``as_written`` with ``precision.opt_level: auto`` (the GPT example's: the run chooses a level when it starts) as
+    the run's level and dtype: a key written beside ``auto`` was written for whatever level it chose, O0's too."""
+    precision = as_written.get("precision")
+    run = values.get("precision")
+    if not (isinstance(precision, Mapping) and isinstance(run, Mapping)) or precision.get("opt_level") != AUTO:
+        return as_written
+    if run.get("opt_level") == AUTO:  # not chosen yet (a Trainer built, no run started): nothing to judge it by
+        return as_written
+    return {**as_written, "precision": {**precision, "opt_level": run["opt_level"], "dtype": run["dtype"]}}
 
 
 def _unread_as_written(cfg: DictConfig, world_size: int, validates: bool) -> dict[str, str]:
