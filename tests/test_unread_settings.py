@@ -3,10 +3,13 @@ are named at fit start, with their values; the keys a file carries for the setti
 
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.config import ConfigError, load_config
@@ -42,6 +45,35 @@ def test_a_shipped_file_s_keys_for_its_own_level_are_not_named_when_the_command_
     assert _unread(trainer_class(cfg)) == []
     trainer_class, cfg = load_config(GAN, ["precision.opt_level=O0", "precision.dtype=bfloat16"])
     assert _unread(trainer_class(cfg)) == [O0_WHY + "precision.dtype=bfloat16"]
+
+
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "copy": copy.copy,
+    "DictConfig.copy": lambda cfg: cfg.copy(),
+    "pickle": lambda cfg: pickle.loads(pickle.dumps(cfg)),
+    "OmegaConf.merge": lambda cfg: OmegaConf.merge(cfg, {}),
+}
+
+
+@pytest.mark.parametrize("copied", COPIES.values(), ids=COPIES.keys())
+def test_a_copy_of_a_loaded_config_keeps_its_file_and_command_line_apart(copied):
+    """A copy made before building the Trainer (a sweep's, a notebook's) kept no sources: the whole config read as one
+    written source, so gan.yaml's keys for its own O1 were named beside the command line's O0."""
+    trainer_class, cfg = load_config(GAN, ["precision.opt_level=O0"])
+    assert _unread(trainer_class(copied(cfg))) == []
+    trainer_class, cfg = load_config(GAN, ["precision.opt_level=O0", "precision.dtype=bfloat16"])
+    assert _unread(trainer_class(copied(cfg))) == [O0_WHY + "precision.dtype=bfloat16"]
+
+
+def test_an_override_merged_onto_a_loaded_config_is_a_later_source():
+    """OmegaConf.merge(cfg, override) is the override written over the file: its keys are named at O0, the file's
+    keys for its own O1 are not."""
+    trainer_class, cfg = load_config(GAN, ["precision.opt_level=O0"])
+    merged = OmegaConf.merge(cfg, {"precision": {"dtype": "bfloat16", "init_scale": 1024.0}})
+    assert _unread(trainer_class(merged)) == [O0_WHY + "precision.dtype=bfloat16, precision.init_scale=1024.0"]
+    merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["trainer.max_steps=5"]))
+    assert _unread(trainer_class(merged)) == []
 
 
 def test_a_file_that_sets_o0_itself_has_its_precision_keys_named(tmp_path):
