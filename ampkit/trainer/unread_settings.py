@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import GrammarParseError, InterpolationResolutionError, MissingMandatoryValue
 
 from ampkit.config_sources import is_set, merged, sources_of, written_value
 
@@ -81,7 +82,8 @@ def unread_settings(cfg: DictConfig, schema: type, world_size: int, validates: b
         if not writers:
             continue
         as_written = OmegaConf.create(_as_chosen(merged(defaults, *sources[: writers[-1] + 1]), values))
-        if key in _unread_as_written(as_written, world_size, validates):
+        _filled(as_written, values)
+        if key in unread_keys(as_written, world_size, validates):
             named.setdefault(why, []).append(f"{key}={_shown(value)}")
     return [f"{why}, so this run does not read {', '.join(keys)}" for why, keys in named.items()]
 
@@ -98,12 +100,21 @@ def _as_chosen(as_written: dict[str, Any], values: dict[str, Any]) -> dict[str, 
     return {**as_written, "precision": {**precision, "opt_level": run["opt_level"], "dtype": run["dtype"]}}
 
 
-def _unread_as_written(cfg: DictConfig, world_size: int, validates: bool) -> dict[str, str]:
-    """:func:`unread_keys` of a config as a source left it, not checked as a run's: nothing where it cannot tell."""
-    try:
-        return unread_keys(cfg, world_size, validates)
-    except Exception:  # a value no run takes (a later source replaced it) or a key unresolved yet
-        return {}
+def _filled(cfg: DictConfig, run: Mapping[str, Any]) -> None:
+    """Fill in place each value of ``cfg``, a config as a source left it, that does not resolve (``???``, an unset
+    ``${oc.env:VAR}``, both replaced by a later source) with the run's value from ``run``: what that source left open
+    was filled as the run filled it."""
+    for key in list(cfg.keys()):
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_interpolation():
+            _filled(node, run.get(key) if isinstance(run.get(key), Mapping) else {})
+            continue
+        try:
+            value = cfg[key]
+            if isinstance(value, ListConfig):
+                OmegaConf.to_container(value, resolve=True, throw_on_missing=True)
+        except (InterpolationResolutionError, MissingMandatoryValue, GrammarParseError):
+            cfg[key] = run.get(key)
 
 
 def _shown(value: Any) -> str:
