@@ -100,8 +100,9 @@ def test_a_bad_checkpoint_file_is_one_line_saying_what_is_wrong(trained, capsys,
         # found lines later, an unclosed bracket or quote is named where it opened
         ("a: [1, 2\nb: 3\nc: 4\n", r"at line 2, column 2 \(.*flow sequence that starts at line 1, column 4\)$"),
         ('a: "x\nb: 3\n', r"at line 3, column 1 \(.*quoted scalar that starts at line 1, column 4\)$"),
+        ("t:\n  a: 1\n  a: 2\n", r"found duplicate key a at line 3, column 3"),  # not the later value taken
     ],
-    ids=["empty", "a word", "a list", "invalid", "unclosed bracket", "unclosed quote"],
+    ids=["empty", "a word", "a list", "invalid", "unclosed bracket", "unclosed quote", "a key twice"],
 )
 def test_a_config_file_that_is_no_mapping_is_one_line(tmp_path, text, message):
     config = tmp_path / "bad.yaml"
