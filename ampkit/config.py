@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, TupleConfig
 from omegaconf.errors import GrammarParseError, OmegaConfBaseException
-from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, PathNode
+from omegaconf.nodes import AnyNode, BooleanNode, EnumNode, FloatNode, PathNode
 
 from ampkit.config_explain import interpolation_problem, malformed_interpolation, wrong_type
 from ampkit.config_sources import remember_sources, sources_of
@@ -617,9 +617,23 @@ def _explain_plainly(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigE
         return ConfigError(
             f"unknown config key '{full_key}'{hint}{includes}; valid keys at {where}: {', '.join(valid)}"
         )
-    takes = VALUE_RULES.get(full_key, (None, None))[1]
-    plainly = wrong_type(message, getattr(exc, "value", None), takes) or interpolation_problem(message) or message
+    plainly = (
+        wrong_type(message, getattr(exc, "value", None), _takes(schema, full_key))
+        or interpolation_problem(message)
+        or message
+    )
     return ConfigError(f"config key '{full_key}': {plainly}")
+
+
+def _takes(schema: DictConfig, full_key: str) -> str | None:
+    """What ``full_key`` takes in words: its rule's (:data:`VALUE_RULES`) or its enum's members; None where its type
+    says it all."""
+    if full_key in VALUE_RULES:
+        return VALUE_RULES[full_key][1]
+    parent, _, key = full_key.rpartition(".")
+    section = OmegaConf.select(schema, parent) if parent else schema
+    node = section._get_node(key) if isinstance(section, DictConfig) and key in section else None
+    return f"one of {', '.join(m.name for m in node.enum_type)}" if isinstance(node, EnumNode) else None
 
 
 # The words OmegaConf reads as a boolean (YAML's and the command line's true/false are already booleans).

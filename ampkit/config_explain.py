@@ -9,20 +9,25 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-_CONVERTED = re.compile(r"Value '.*' of type '\w+' could not be converted to (Integer|Float)", re.DOTALL)
-_WANTED = {"Integer": "an integer", "Float": "a number"}
+# OmegaConf's words for a value it cannot convert to the key's type, and what that type takes.
+_CONVERTED = (
+    (re.compile(r"Value '.*' of type '\w+' could not be converted to Integer", re.DOTALL), "an integer"),
+    (re.compile(r"Value '.*' of type '\w+' could not be converted to Float", re.DOTALL), "a number"),
+    (re.compile(r"Cannot convert '\w+' to string", re.DOTALL), "a string"),
+    (re.compile(r"Value .* is not a valid input for <enum", re.DOTALL), "one of the key's values"),
+)
 # The resolvers OmegaConf registers itself; a name outside them (and the ones a program adds) is a typo.
 OMEGACONF_RESOLVERS = ("oc.env", "oc.create", "oc.decode", "oc.deprecated", "oc.select", "oc.dict.keys",
                        "oc.dict.values")  # fmt: skip
 
 
 def wrong_type(message: str, value: Any, valid: str | None) -> str | None:
-    """``"1000.0 is a float; expected an integer (write 1000)"`` for OmegaConf's could-not-convert ``message`` about
-    ``value``; ``valid``: what the key takes, where a rule words it. None for any other message."""
-    converted = _CONVERTED.match(message)
-    if converted is None:
+    """``"1000.0 is a float, not an integer; expected an integer (write 1000)"`` for OmegaConf's could-not-convert
+    ``message`` about ``value``; ``valid``: what the key takes, where a rule or an enum words it. None for any other
+    message."""
+    wanted = next((wanted for pattern, wanted in _CONVERTED if pattern.match(message)), None)
+    if wanted is None:
         return None
-    wanted = converted.group(1)
     if isinstance(value, bool):
         shown, what = str(value).lower(), "a boolean"
     elif isinstance(value, float):
@@ -30,9 +35,10 @@ def wrong_type(message: str, value: Any, valid: str | None) -> str | None:
     elif isinstance(value, ListConfig | DictConfig):
         shown, what = repr(OmegaConf.to_container(value)), "a list" if isinstance(value, ListConfig) else "a mapping"
     else:
-        shown, what = repr(value), f"not {_WANTED[wanted]}"
-    hint = f" (write {int(value)})" if isinstance(value, float) and value.is_integer() and abs(value) < 2**63 else ""
-    return f"{shown} is {what}; expected {valid or _WANTED[wanted]}{hint}"
+        shown, what = repr(value), f"not {wanted}"
+    integral = isinstance(value, float) and value.is_integer() and abs(value) < 2**63 and wanted == "an integer"
+    hint = f" (write {int(value)})" if integral else ""
+    return f"{shown} is {what}; expected {valid or wanted}{hint}"
 
 
 def interpolation_problem(message: str) -> str | None:

@@ -124,6 +124,8 @@ HEAD = "trainer_class: toy_trainers:ToyTrainer\n"
         ("trainer:\n  max_steps: ten\n", "config key 'trainer.max_steps': 'ten' is not an integer; expected -1"),
         ("trainer:\n  max_steps: [100]\n", "config key 'trainer.max_steps': [100] is a list; expected -1"),
         ("trainer:\n  clip_grad_norm: big\n", "config key 'trainer.clip_grad_norm': 'big' is not a number; expected"),
+        ("name: [a, b]\n", "config key 'name': ['a', 'b'] is a list; expected a string"),
+        ("checkpoint:\n  mode: [max]\n", "config key 'checkpoint.mode': ['max'] is a list; expected one of min, max"),
         ("name: ${oc.env:AMPKIT_TEST_UNSET}\n", "config key 'name': environment variable AMPKIT_TEST_UNSET is not set "
                                                "(${oc.env:AMPKIT_TEST_UNSET}); set it, or give a default: "
                                                "${oc.env:AMPKIT_TEST_UNSET,<default>}"),
@@ -132,7 +134,8 @@ HEAD = "trainer_class: toy_trainers:ToyTrainer\n"
         ("name: ${run_dir}\nrun_dir: ${name}\n", "config key 'name': its ${...} leads back to itself"),
         ("defaults:\n  - base\n", "unknown config key 'defaults'; ampkit reads one file, with no includes"),
     ],
-    ids=["1e3", "true", "a word", "a list", "a word for a float", "unset variable", "misspelt resolver",
+    ids=["1e3", "true", "a word", "a list", "a word for a float", "a list for a string", "a list for a choice",
+         "unset variable", "misspelt resolver",
          "unclosed interpolation", "interpolation cycle", "an include"],
 )  # fmt: skip
 def test_a_new_user_s_bad_value_is_one_line_naming_it_its_key_and_what_is_valid(tmp_path, capsys, text, said):
