@@ -81,10 +81,11 @@ def unread_settings(cfg: DictConfig, schema: type, world_size: int, validates: b
         writers = [index for index, source in enumerate(sources) if is_set(written_value(source, key))]
         if not writers:
             continue
-        as_written = OmegaConf.create(_as_chosen(merged(defaults, *sources[: writers[-1] + 1]), values))
+        written = merged(defaults, *sources[: writers[-1] + 1])
+        as_written = OmegaConf.create(_as_chosen(written, values))
         _filled(as_written, values)
         if key in unread_keys(as_written, world_size, validates):
-            named.setdefault(why, []).append(f"{key}={_shown(value)}")
+            named.setdefault(_said_of_auto(why, written, values), []).append(f"{key}={_shown(value)}")
     return [f"{why}, so this run does not read {', '.join(keys)}" for why, keys in named.items()]
 
 
@@ -98,6 +99,15 @@ def _as_chosen(as_written: dict[str, Any], values: dict[str, Any]) -> dict[str, 
     if run.get("opt_level") == AUTO:  # not chosen yet (a Trainer built, no run started): nothing to judge it by
         return as_written
     return {**as_written, "precision": {**precision, "opt_level": run["opt_level"], "dtype": run["dtype"]}}
+
+
+def _said_of_auto(why: str, written: dict[str, Any], values: dict[str, Any]) -> str:
+    """``why`` naming the run's level as auto's choice where the key was written beside ``auto``: the user never
+    wrote that level (``precision.opt_level=auto chose O0, which trains in float32``)."""
+    level = values["precision"]["opt_level"]
+    if written.get("precision", {}).get("opt_level") != AUTO or not why.startswith(f"precision.opt_level={level} "):
+        return why
+    return why.replace(f"precision.opt_level={level} ", f"precision.opt_level=auto chose {level}, which ", 1)
 
 
 def _filled(cfg: DictConfig, run: Mapping[str, Any]) -> None:

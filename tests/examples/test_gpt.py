@@ -441,7 +441,8 @@ def test_validation_windows_are_the_same_on_any_world_size_at_one_global_batch()
 @pytest.mark.parametrize(
     ("bf16_faster", "said"),
     [
-        (False, "precision.opt_level=O0 trains in float32, with no loss scaler, so this run does not read "
+        (False, "precision.opt_level=auto chose O0, which trains in float32, with no loss scaler, so this run does "
+                "not read "
                 "precision.init_scale=1024.0, precision.growth_factor=3.0"),
         (True, "bfloat16 has no loss scaler unless precision.loss_scale asks for one, so this run does not read "
                "precision.init_scale=1024.0, precision.growth_factor=3.0"),
