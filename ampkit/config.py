@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, TupleConfig
-from omegaconf.errors import OmegaConfBaseException
-from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, PathNode
+from omegaconf.errors import GrammarParseError, OmegaConfBaseException
+from omegaconf.nodes import AnyNode, BooleanNode, EnumNode, FloatNode, PathNode
 
+from ampkit.config_explain import interpolation_problem, malformed_interpolation, wrong_type
 from ampkit.config_sources import remember_sources, sources_of
 from ampkit.lightning_settings import LIGHTNING_SETTINGS, LIGHTNING_ZERO
 from ampkit.wording import beyond_float, counted, integer_digits
@@ -608,12 +609,31 @@ def _explain_plainly(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigE
         valid = _valid_keys(schema, parent)
         where = f"'{parent}'" if parent else "the top level"
         hint = _nearest_key(schema, parent, full_key.rpartition(".")[2], valid)
-        return ConfigError(f"unknown config key '{full_key}'{hint}; valid keys at {where}: {', '.join(valid)}")
-    unfound = re.fullmatch(r"Interpolation key '([\w.]+)' not found", message)
-    if unfound:  # ${SCRATCH} in a YAML file: OmegaConf reads it as a config key before any path is expanded
-        name = unfound.group(1)
-        message += f": ${{{name}}} names a config key; an environment variable is ${name} or ${{oc.env:{name}}}"
-    return ConfigError(f"config key '{full_key}': {message}")
+        includes = (  # Hydra's defaults list: ampkit reads one file
+            "; ampkit reads one file, with no includes (Hydra's defaults list): write the keys in it, or as key=value"
+            if full_key == "defaults"
+            else ""
+        )
+        return ConfigError(
+            f"unknown config key '{full_key}'{hint}{includes}; valid keys at {where}: {', '.join(valid)}"
+        )
+    plainly = (
+        wrong_type(message, getattr(exc, "value", None), _takes(schema, full_key))
+        or interpolation_problem(message)
+        or message
+    )
+    return ConfigError(f"config key '{full_key}': {plainly}")
+
+
+def _takes(schema: DictConfig, full_key: str) -> str | None:
+    """What ``full_key`` takes in words: its rule's (:data:`VALUE_RULES`) or its enum's members; None where its type
+    says it all."""
+    if full_key in VALUE_RULES:
+        return VALUE_RULES[full_key][1]
+    parent, _, key = full_key.rpartition(".")
+    section = OmegaConf.select(schema, parent) if parent else schema
+    node = section._get_node(key) if isinstance(section, DictConfig) and key in section else None
+    return f"one of {', '.join(m.name for m in node.enum_type)}" if isinstance(node, EnumNode) else None
 
 
 # The words OmegaConf reads as a boolean (YAML's and the command line's true/false are already booleans).
@@ -951,6 +971,13 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
     path = resolve_config_path(path)
     try:
         raw = OmegaConf.load(path)
+    except GrammarParseError as exc:  # valid YAML, but a ${...} OmegaConf cannot read
+        raise ConfigError(f"config key '{exc.full_key}': {malformed_interpolation(exc.value)}") from None
+    except UnicodeDecodeError as exc:  # a binary file, or text in another encoding
+        raise ConfigError(
+            f"config file '{path}' is not a text file: byte {exc.object[exc.start]:#04x} at offset {exc.start} is not "
+            "UTF-8; a config is a YAML file saved as UTF-8"
+        ) from None
     except Exception as exc:  # yaml errors come in several types
         text = Path(path).read_text(errors="replace") if Path(path).is_file() else None
         raise ConfigError(f"config file '{path}' is not valid YAML: {_yaml_problem(exc, text)}") from None

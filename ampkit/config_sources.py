@@ -4,11 +4,13 @@ A built config holds every key of its schema, so it no longer tells a value some
 config :func:`~ampkit.config.build_config` returns remembers its sources (in merge order) here, and a config built from
 it takes them over, so ``load_config``'s file and overrides stay apart inside the Trainer. A change made in place
 later (``trainer.cfg.precision.dtype = "bfloat16"`` in a notebook) counts as one more source.
+
+The sources ride on the config's own OmegaConf metadata, so ``copy.copy``, ``copy.deepcopy``, a pickle round trip and
+``OmegaConf.merge(cfg, override)`` (a deep copy of ``cfg`` with the override laid over it: a change) keep them.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,21 +18,19 @@ from omegaconf import DictConfig, OmegaConf
 
 _NOT_SET = object()
 
-# id(built config) -> (its sources as plain mappings, its plain values when built); dropped with the config.
-_REMEMBERED: dict[int, tuple[tuple[Mapping[str, Any], ...], dict[str, Any]]] = {}
+# The attribute of a built config's root metadata holding (its sources as plain mappings, its plain values when built).
+_SOURCES = "_ampkit_sources"
 
 
 def remember_sources(cfg: DictConfig, sources: tuple[Mapping[str, Any], ...]) -> None:
     """Note that ``cfg`` was built from ``sources`` (plain mappings, in merge order)."""
-    if id(cfg) not in _REMEMBERED:
-        weakref.finalize(cfg, _REMEMBERED.pop, id(cfg), None)
-    _REMEMBERED[id(cfg)] = (tuple(sources), OmegaConf.to_container(cfg))
+    setattr(cfg._metadata, _SOURCES, (tuple(sources), OmegaConf.to_container(cfg)))
 
 
 def sources_of(cfg: Any) -> tuple[Mapping[str, Any], ...] | None:
-    """The sources a built ``cfg`` came from, with its changes made in place since as a last one; None where
-    ``cfg`` was not built by ``build_config`` (then what it holds is all anyone wrote)."""
-    remembered = _REMEMBERED.get(id(cfg)) if isinstance(cfg, DictConfig) else None
+    """The sources a built ``cfg`` (or a copy of one) came from, with its changes made in place since as a last one;
+    None where ``cfg`` was not built by ``build_config`` (then what it holds is all anyone wrote)."""
+    remembered = getattr(cfg._metadata, _SOURCES, None) if isinstance(cfg, DictConfig) else None
     if remembered is None:
         return None
     sources, built = remembered

@@ -89,7 +89,7 @@ def test_a_max_time_dict_of_no_duration_is_refused_naming_timedelta_s_keywords(t
 @pytest.mark.parametrize(
     ("key", "value", "said"),
     [
-        ("val_every_n_steps", 0.25, r"could not be converted to Integer; .*fractional val_check_interval is that share "
+        ("val_every_n_steps", 0.25, r"0\.25 is a float, not an integer; .*fractional val_check_interval is that share "
          r"of an epoch's iterations \(num_train_batches / accumulate_grad_batches\)"),
         ("val_every_n_epochs", None, r"is empty \(null\).*; Lightning's check_val_every_n_epoch=None.* is 0 here"),
     ],

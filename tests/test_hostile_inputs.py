@@ -100,8 +100,9 @@ def test_a_bad_checkpoint_file_is_one_line_saying_what_is_wrong(trained, capsys,
         # found lines later, an unclosed bracket or quote is named where it opened
         ("a: [1, 2\nb: 3\nc: 4\n", r"at line 2, column 2 \(.*flow sequence that starts at line 1, column 4\)$"),
         ('a: "x\nb: 3\n', r"at line 3, column 1 \(.*quoted scalar that starts at line 1, column 4\)$"),
+        ("t:\n  a: 1\n  a: 2\n", r"found duplicate key a at line 3, column 3"),  # not the later value taken
     ],
-    ids=["empty", "a word", "a list", "invalid", "unclosed bracket", "unclosed quote"],
+    ids=["empty", "a word", "a list", "invalid", "unclosed bracket", "unclosed quote", "a key twice"],
 )
 def test_a_config_file_that_is_no_mapping_is_one_line(tmp_path, text, message):
     config = tmp_path / "bad.yaml"
@@ -109,6 +110,48 @@ def test_a_config_file_that_is_no_mapping_is_one_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as err:
         load_config(config)
     assert re.search(message, str(err.value)) and "\n" not in str(err.value)
+
+
+HEAD = "trainer_class: toy_trainers:ToyTrainer\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("trainer:\n  max_steps: 1e3\n", "config key 'trainer.max_steps': 1000.0 is a float, not an integer; expected "
+                                         "-1 (no limit) or an integer >= 0 (write 1000)"),
+        ("trainer:\n  max_steps: true\n", "config key 'trainer.max_steps': true is a boolean; expected -1"),
+        ("trainer:\n  max_steps: ten\n", "config key 'trainer.max_steps': 'ten' is not an integer; expected -1"),
+        ("trainer:\n  max_steps: [100]\n", "config key 'trainer.max_steps': [100] is a list; expected -1"),
+        ("trainer:\n  clip_grad_norm: big\n", "config key 'trainer.clip_grad_norm': 'big' is not a number; expected"),
+        ("name: [a, b]\n", "config key 'name': ['a', 'b'] is a list; expected a string"),
+        ("checkpoint:\n  mode: [max]\n", "config key 'checkpoint.mode': ['max'] is a list; expected one of min, max"),
+        ("name: ${oc.env:AMPKIT_TEST_UNSET}\n", "config key 'name': environment variable AMPKIT_TEST_UNSET is not set "
+                                               "(${oc.env:AMPKIT_TEST_UNSET}); set it, or give a default: "
+                                               "${oc.env:AMPKIT_TEST_UNSET,<default>}"),
+        ("name: ${oc.enc:HOME}\n", "config key 'name': ${oc.enc:...} names no resolver; OmegaConf's are oc.env, "),
+        ("name: ${name\n", "config key 'name': '${name' is no valid interpolation (an unclosed or misspelt ${...})"),
+        ("name: ${run_dir}\nrun_dir: ${name}\n", "config key 'name': its ${...} leads back to itself"),
+        ("defaults:\n  - base\n", "unknown config key 'defaults'; ampkit reads one file, with no includes"),
+    ],
+    ids=["1e3", "true", "a word", "a list", "a word for a float", "a list for a string", "a list for a choice",
+         "unset variable", "misspelt resolver",
+         "unclosed interpolation", "interpolation cycle", "an include"],
+)  # fmt: skip
+def test_a_new_user_s_bad_value_is_one_line_naming_it_its_key_and_what_is_valid(tmp_path, capsys, text, said):
+    """OmegaConf's own words ('Value '1000.0' of type 'float' could not be converted to Integer', 'KeyError raised
+    while resolving interpolation') named neither what the value is in YAML's terms nor what the key takes."""
+    config = tmp_path / "run.yaml"
+    config.write_text(HEAD + f"run_dir: {tmp_path / 'runs'}\n" * ("run_dir" not in text) + text)
+    assert said in _one_line_error(capsys, ["fit", "--config", str(config)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # nothing written
+
+
+def test_a_config_file_that_is_no_text_says_so(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_bytes(b"\x89PNG\r\n\x1a\n\x00")
+    line = _one_line_error(capsys, ["fit", "--config", str(config)])
+    assert "is not a text file: byte 0x89 at offset 0 is not UTF-8; a config is a YAML file saved as UTF-8" in line
 
 
 def test_a_section_given_a_value_names_the_section(tmp_path, capsys):
@@ -593,7 +636,7 @@ def test_a_set_up_method_s_own_exception_keeps_its_type_in_python_and_is_one_lin
     ("make_cfg", "message"),
     [
         (lambda tmp_path: OmegaConf.create({"trainer": {"max_epochs": -3}}), "'trainer.max_epochs': -3 is invalid"),
-        (lambda tmp_path: OmegaConf.create({"trainer": {"max_steps": "x"}}), "'trainer.max_steps': Value 'x'"),
+        (lambda tmp_path: OmegaConf.create({"trainer": {"max_steps": "x"}}), "max_steps': 'x' is not an integer"),
         (lambda tmp_path: OmegaConf.create({"bogus": 1}), "unknown config key 'bogus'"),
         (lambda tmp_path: str(tmp_path / "run.yaml"), "ToyTrainer(cfg=...): got str '"),
         (lambda tmp_path: tmp_path / "run.yaml", "ToyTrainer(cfg=...): got PosixPath '"),

@@ -3,10 +3,13 @@ are named at fit start, with their values; the keys a file carries for the setti
 
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.config import ConfigError, load_config
@@ -44,6 +47,35 @@ def test_a_shipped_file_s_keys_for_its_own_level_are_not_named_when_the_command_
     assert _unread(trainer_class(cfg)) == [O0_WHY + "precision.dtype=bfloat16"]
 
 
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "copy": copy.copy,
+    "DictConfig.copy": lambda cfg: cfg.copy(),
+    "pickle": lambda cfg: pickle.loads(pickle.dumps(cfg)),
+    "OmegaConf.merge": lambda cfg: OmegaConf.merge(cfg, {}),
+}
+
+
+@pytest.mark.parametrize("copied", COPIES.values(), ids=COPIES.keys())
+def test_a_copy_of_a_loaded_config_keeps_its_file_and_command_line_apart(copied):
+    """A copy made before building the Trainer (a sweep's, a notebook's) kept no sources: the whole config read as one
+    written source, so gan.yaml's keys for its own O1 were named beside the command line's O0."""
+    trainer_class, cfg = load_config(GAN, ["precision.opt_level=O0"])
+    assert _unread(trainer_class(copied(cfg))) == []
+    trainer_class, cfg = load_config(GAN, ["precision.opt_level=O0", "precision.dtype=bfloat16"])
+    assert _unread(trainer_class(copied(cfg))) == [O0_WHY + "precision.dtype=bfloat16"]
+
+
+def test_an_override_merged_onto_a_loaded_config_is_a_later_source():
+    """OmegaConf.merge(cfg, override) is the override written over the file: its keys are named at O0, the file's
+    keys for its own O1 are not."""
+    trainer_class, cfg = load_config(GAN, ["precision.opt_level=O0"])
+    merged = OmegaConf.merge(cfg, {"precision": {"dtype": "bfloat16", "init_scale": 1024.0}})
+    assert _unread(trainer_class(merged)) == [O0_WHY + "precision.dtype=bfloat16, precision.init_scale=1024.0"]
+    merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["trainer.max_steps=5"]))
+    assert _unread(trainer_class(merged)) == []
+
+
 def test_a_file_that_sets_o0_itself_has_its_precision_keys_named(tmp_path):
     """Which file it is does not matter: keys written in the source that also chose O0 (or left it, the default)
     were written for O0, and are named; a later source's O0 leaves an earlier one's keys alone."""
@@ -56,6 +88,52 @@ def test_a_file_that_sets_o0_itself_has_its_precision_keys_named(tmp_path):
     own.write_text("trainer_class: toy_trainers:ToyTrainer\nprecision:\n  opt_level: O1\n  dtype: float16\n")
     trainer_class, cfg = load_config(own, [f"run_dir={tmp_path / 'run'}", "precision.opt_level=O0"])
     assert _unread(trainer_class(cfg)) == []
+
+
+def test_a_value_a_file_leaves_open_is_taken_as_the_command_line_filled_it(tmp_path):
+    """A file's '???' or unset ${oc.env:...}, given on the command line, made the file's config unreadable as
+    written, and its init_scale beside O0 went unnamed."""
+    own = tmp_path / "open.yaml"
+    own.write_text("trainer_class: toy_trainers:ToyTrainer\nprecision:\n  opt_level: O0\n  init_scale: 1024\n"
+                   "  dtype: ???\n  growth_factor: ${oc.env:AMPKIT_TEST_UNSET}\n")  # fmt: skip
+    overrides = [f"run_dir={tmp_path / 'run'}", "precision.dtype=bfloat16", "precision.growth_factor=3"]
+    trainer_class, cfg = load_config(own, overrides)
+    assert _unread(trainer_class(cfg)) == [
+        O0_WHY + "precision.dtype=bfloat16, precision.init_scale=1024.0, precision.growth_factor=3.0"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("written", "replaced"),
+    [("opt_level: O7", "O0"), ("loss_scale: dynamc", "null"), ("dtype: float8", "null"),
+     ("keep_batchnorm_fp32: maybe", "null")],
+)  # fmt: skip
+def test_a_file_s_value_no_run_takes_replaced_on_the_command_line_names_nothing_beside_it(tmp_path, written, replaced):
+    """Keys written beside a level no run takes were written for no level: nothing to say of them, and no error."""
+    own = tmp_path / "own.yaml"
+    own.write_text(f"trainer_class: toy_trainers:ToyTrainer\nprecision:\n  {written}\n  init_scale: 1024\n")
+    key = written.split(":")[0]
+    trainer_class, cfg = load_config(own, [f"run_dir={tmp_path / 'run'}", f"precision.{key}={replaced}"])
+    assert _unread(trainer_class(cfg)) == []
+
+
+def test_an_error_judging_a_source_s_config_is_raised_not_taken_for_nothing_unread(tmp_path, monkeypatch):
+    """A source's config is judged without a try: a bug there would have hidden as 'nothing unread' in every test."""
+    import ampkit.trainer.unread_settings as module
+
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"precision.dtype": "bfloat16"}))
+    judged = []
+
+    def broken_for_sources(cfg, *args):
+        judged.append(cfg)
+        if len(judged) > 1:
+            raise TypeError("a bug judging a source's config")
+        return unread_keys(cfg, *args)
+
+    unread_keys = module.unread_keys
+    monkeypatch.setattr(module, "unread_keys", broken_for_sources)
+    with pytest.raises(TypeError, match="a bug judging"):
+        _unread(trainer)
 
 
 def test_defaults_and_keys_that_are_read_are_not_named(tmp_path):

@@ -10,11 +10,15 @@ itself, is named.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import GrammarParseError, InterpolationResolutionError, MissingMandatoryValue
 
 from ampkit.config_sources import is_set, merged, sources_of, written_value
+
+AUTO = "auto"  # an opt level the run chooses when it starts (ampkit.examples.gpt's choose_precision)
 
 
 def unread_keys(cfg: DictConfig, world_size: int, validates: bool = True) -> dict[str, str]:
@@ -77,18 +81,50 @@ def unread_settings(cfg: DictConfig, schema: type, world_size: int, validates: b
         writers = [index for index, source in enumerate(sources) if is_set(written_value(source, key))]
         if not writers:
             continue
-        as_written = OmegaConf.create(merged(defaults, *sources[: writers[-1] + 1]))
-        if key in _unread_as_written(as_written, world_size, validates):
-            named.setdefault(why, []).append(f"{key}={_shown(value)}")
+        written = merged(defaults, *sources[: writers[-1] + 1])
+        as_written = OmegaConf.create(_as_chosen(written, values))
+        _filled(as_written, values)
+        if key in unread_keys(as_written, world_size, validates):
+            named.setdefault(_said_of_auto(why, written, values), []).append(f"{key}={_shown(value)}")
     return [f"{why}, so this run does not read {', '.join(keys)}" for why, keys in named.items()]
 
 
-def _unread_as_written(cfg: DictConfig, world_size: int, validates: bool) -> dict[str, str]:
-    """:func:`unread_keys` of a config as a source left it, not checked as a run's: nothing where it cannot tell."""
-    try:
-        return unread_keys(cfg, world_size, validates)
-    except Exception:  # a value no run takes (a later source replaced it) or a key unresolved yet
-        return {}
+def _as_chosen(as_written: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """``as_written`` with ``precision.opt_level: auto`` (the GPT example's: the run chooses a level when it starts) as
+    the run's level and dtype: a key written beside ``auto`` was written for whatever level it chose, O0's too."""
+    precision = as_written.get("precision")
+    run = values.get("precision")
+    if not (isinstance(precision, Mapping) and isinstance(run, Mapping)) or precision.get("opt_level") != AUTO:
+        return as_written
+    if run.get("opt_level") == AUTO:  # not chosen yet (a Trainer built, no run started): nothing to judge it by
+        return as_written
+    return {**as_written, "precision": {**precision, "opt_level": run["opt_level"], "dtype": run["dtype"]}}
+
+
+def _said_of_auto(why: str, written: dict[str, Any], values: dict[str, Any]) -> str:
+    """``why`` naming the run's level as auto's choice where the key was written beside ``auto``: the user never
+    wrote that level (``precision.opt_level=auto chose O0, which trains in float32``)."""
+    level = values["precision"]["opt_level"]
+    if written.get("precision", {}).get("opt_level") != AUTO or not why.startswith(f"precision.opt_level={level} "):
+        return why
+    return why.replace(f"precision.opt_level={level} ", f"precision.opt_level=auto chose {level}, which ", 1)
+
+
+def _filled(cfg: DictConfig, run: Mapping[str, Any]) -> None:
+    """Fill in place each value of ``cfg``, a config as a source left it, that does not resolve (``???``, an unset
+    ``${oc.env:VAR}``, both replaced by a later source) with the run's value from ``run``: what that source left open
+    was filled as the run filled it."""
+    for key in list(cfg.keys()):
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_interpolation():
+            _filled(node, run.get(key) if isinstance(run.get(key), Mapping) else {})
+            continue
+        try:
+            value = cfg[key]
+            if isinstance(value, ListConfig):
+                OmegaConf.to_container(value, resolve=True, throw_on_missing=True)
+        except (InterpolationResolutionError, MissingMandatoryValue, GrammarParseError):
+            cfg[key] = run.get(key)
 
 
 def _shown(value: Any) -> str:

@@ -436,3 +436,31 @@ def test_validation_windows_are_the_same_on_any_world_size_at_one_global_batch()
     assert len(one) == len(two) == len(accumulated) == 16
     assert all(torch.equal(one[i][0], two[i][0]) for i in range(len(one)))
     assert all(torch.equal(one[i][0], accumulated[i][0]) for i in range(len(one)))
+
+
+@pytest.mark.parametrize(
+    ("bf16_faster", "said"),
+    [
+        (False, "precision.opt_level=auto chose O0, which trains in float32, with no loss scaler, so this run does "
+                "not read "
+                "precision.init_scale=1024.0, precision.growth_factor=3.0"),
+        (True, "bfloat16 has no loss scaler unless precision.loss_scale asks for one, so this run does not read "
+               "precision.init_scale=1024.0, precision.growth_factor=3.0"),
+    ],
+)  # fmt: skip
+def test_keys_written_beside_auto_that_its_choice_leaves_unread_are_named_at_fit_start(
+    tmp_path, monkeypatch, bf16_faster, said
+):
+    """auto's float32 (O0) or bf16 (no scaler) leaves a loss scaler's knobs unread, as the level named would: the
+    keys written beside auto were named only for an explicit O0."""
+    import ampkit.examples.gpt as gpt
+
+    monkeypatch.setattr(gpt, "faster_cpu_precision", lambda *args, **kwargs: (bf16_faster, "timed"))
+    trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", "precision.opt_level=auto",
+                                             "precision.growth_factor=3", "precision.init_scale=1024",
+                                             "trainer.max_steps=1", "trainer.val_every_n_steps=0",
+                                             "checkpoint.enabled=false", "generate.every_n_steps=0",
+                                             "logging.tensorboard=false"])  # fmt: skip
+    with pytest.warns(UserWarning) as caught:
+        trainer_class(cfg).fit()
+    assert [str(w.message) for w in caught if "does not read" in str(w.message)] == [said]
