@@ -2,6 +2,7 @@
 DistributedDataParallel (Apex's reduction options, rank-local buffers), Reducer and the CPU SyncBatchNorm."""
 
 import contextlib
+import copy
 import functools
 import gc
 import io
@@ -1079,6 +1080,53 @@ def _check_disable_allreduce_under_amp_warns_and_reduces(rank, world_size):
     assert (ddp.message_size, ddp.retain_allreduce_buffers, ddp.num_allreduce_streams) == (10_000_000, False, 1)
 
 
+def _check_ddp_subclass_reduces_through_its_own_allreduce_bucket(rank, world_size):
+    # A hierarchical trainer's subclass (HiT's ``_HiT_APEX_DDP``) overrides ``allreduce_bucket`` to all-reduce over its
+    # own group (here one group per rank: the gradients stay local) and divide by that group's size. ampkit's class
+    # reduced over the world by itself and never called it, averaging what the script kept apart.
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group, as torch asks
+    calls = []
+
+    class OwnGroupDDP(DistributedDataParallel):
+        def __init__(self, module, delay_allreduce=False, process_group=None):
+            super().__init__(module, delay_allreduce=delay_allreduce)
+            self.process_group = process_group
+            self.world_size = float(dist.get_world_size(group=process_group))
+
+        def allreduce_bucket(self, bucket, bucket_idx, force_default_stream):  # Apex's signature, on CPU
+            calls.append((len(bucket), force_default_stream))
+            tensor = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(tensor, group=self.process_group)
+            tensor.mul_(1.0 / self.world_size)
+            for grad, synced in zip(bucket, tensor.split([g.numel() for g in bucket]), strict=True):
+                grad.copy_(synced.view_as(grad))
+            return tensor
+
+    class OlderOwnGroupDDP(OwnGroupDDP):
+        def allreduce_bucket(self, bucket):  # Apex's older signature: its caller copied the result into the grads
+            calls.append((len(bucket), None))
+            tensor = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(tensor, group=self.process_group)
+            return tensor.mul_(1.0 / self.world_size)
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(4, 2)
+    local = copy.deepcopy(base)
+    local(_rank_data(rank)[0]).pow(2).sum().backward()
+    results = []
+    for cls, delay in ((OwnGroupDDP, False), (OwnGroupDDP, True), (OlderOwnGroupDDP, False)):
+        model = copy.deepcopy(base)
+        ddp = cls(model, delay_allreduce=delay, process_group=groups[rank])
+        for _ in range(2):  # the first backward reduces at its end, later ones in torch's reducer (not delayed)
+            model.zero_grad()
+            ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+            results.append([p.grad.clone() for p in model.parameters()])
+    assert [force for _, force in calls] == [True, False, True, True, None, None] and all(n == 2 for n, _ in calls)
+    for grads in results:
+        for got, want in zip(grads, (p.grad for p in local.parameters()), strict=True):
+            torch.testing.assert_close(got, want, msg="the subclass's allreduce_bucket kept each rank's own gradient")
+
+
 _TWO_RANK_CHECKS = {
     check.__name__.removeprefix("_check_"): check
     for check in (
@@ -1114,6 +1162,7 @@ _TWO_RANK_CHECKS = {
         _check_torch_ddp_no_sync_overflow_on_one_rank_skips_on_every_rank,
         _check_flat_dist_call_broadcasts_and_averages_each_type,
         _check_reducer_of_a_grads_list_takes_the_tensors_in_it_as_apex,
+        _check_ddp_subclass_reduces_through_its_own_allreduce_bucket,
     )
 }
 

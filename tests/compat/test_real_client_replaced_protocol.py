@@ -548,3 +548,57 @@ def test_fp16_optimizer_decides_its_overflow_through_the_patched_update_scale(sh
         changed.append(not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)))
     assert changed == [True, False, True] and other_ranks_overflowed == []
     assert optimizer.loss_scale == 2.0**15 and optimizer.loss_scaler._unskipped == 1
+
+
+@pytest.mark.parametrize("how", ["subclass", "class patch"])
+def test_fp16_optimizer_unscales_through_a_scalers_own_unscale_which_agrees_the_overflow(shim, monkeypatch, how):
+    """Apex's last ``FP16_Optimizer`` unscaled each backward through ``loss_scaler.unscale(model_grads, master_grads,
+    loss_scale())``, the fp16 params onto their masters, then the float32 params in place; a model-parallel script's
+    scaler agrees the overflow across its ranks there (an all-reduce MAX of ``_overflow_buf``, here the other rank's
+    verdict given), whether it swaps in a subclass or patches ``apex.amp.scaler.LossScaler``. ampkit's unscaled by
+    itself and never called it: the other rank's overflow did not skip this rank's step. The gradients it leaves
+    (two backwards a step, the second added to the first) are those of ampkit's own path."""
+    from apex.amp.scaler import LossScaler
+    from apex.fp16_utils import FP16_Optimizer
+
+    other_rank = {"overflowed": 0}
+    seen: list[tuple[list[torch.dtype], list[torch.dtype], float]] = []
+    own_unscale = LossScaler.unscale
+
+    def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False):
+        seen.append(([g.dtype for g in model_grads], [g.dtype for g in master_grads], unused_scale))
+        own_unscale(self, model_grads, master_grads, unused_scale, models_are_masters)
+        flag = torch.tensor([other_rank["overflowed"]], dtype=self._overflow_buf.dtype)
+        self._overflow_buf.copy_(torch.maximum(self._overflow_buf, flag))  # all_reduce(MAX) over the ranks
+
+    def run(patched: bool) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], float]:
+        model = _mlp()
+        model[0].half()  # fp16 params with float32 masters; the last layer's are float32, their own masters
+        optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+        if patched and how == "subclass":
+            optimizer.loss_scaler = type("AgreeingScaler", (LossScaler,), {"unscale": unscale})("dynamic")
+        weights, grads = [], []
+        for step, other in enumerate((0, 1, 0)):
+            optimizer.zero_grad()
+            for micro in range(2):
+                other_rank["overflowed"] = other if patched and micro == 1 else 0
+                x = _batch(10 * step + micro).half()
+                optimizer.backward(F.mse_loss(model[2](model[1](model[0](x)).float()), torch.zeros(8, 2)) / 2)
+            grads.append([p.grad.clone() for g in optimizer.param_groups for p in g["params"]])
+            optimizer.step()
+            weights.append([p.detach().clone() for p in model.parameters()])
+        return weights, grads, optimizer.loss_scale
+
+    own_weights, own_grads, _ = run(patched=False)
+    if how == "class patch":
+        monkeypatch.setattr(LossScaler, "unscale", unscale)
+    weights, grads, loss_scale = run(patched=True)
+    assert loss_scale == 2.0**15  # the other rank's overflow halved this rank's scale too
+    assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[1], strict=True))  # and skipped its step
+    assert not all(torch.equal(a, b) for a, b in zip(weights[1], weights[2], strict=True))
+    for got, want in zip(grads[0] + weights[0], own_grads[0] + own_weights[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Apex's calls: per backward, the fp16 grads onto float32 masters, then the float32 grads in place, at the scale
+    per_backward = [([torch.float16] * 2, [torch.float32] * 2), ([torch.float32] * 2, [torch.float32] * 2)]
+    assert [(m, o) for m, o, _ in seen] == per_backward * 6
+    assert [s for _, _, s in seen] == [2.0**16] * 8 + [2.0**15] * 4

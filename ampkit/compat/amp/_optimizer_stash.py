@@ -19,7 +19,7 @@ from ampkit.amp.grad_combine import CombineResult
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp._param_lists import MasterGroups, params_of_dtype
 from ampkit.compat.amp.functions import disable_casts
-from ampkit.compat.amp.scaler import unscales_its_own_way
+from ampkit.compat.amp.scaler import scripts_unscales
 
 _MASTER_STATE_KEY = "ampkit_master_weights"
 
@@ -329,7 +329,7 @@ class AmpOptimizerStash:
         """amp's own post-backward: the backward's gradients unscaled onto the stash by amp (its unsynced found_inf flag
         returned), or through the scaler's ``unscale`` methods where they are a script's (None: the verdict is in the
         scaler, as Apex's methods left it)."""
-        if unscales_its_own_way(scaler):
+        if scripts_unscales(scaler):
             self._unscale_through(scaler)
             return None
         return self.combine(scaler).found_inf

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -226,10 +227,27 @@ LossScaler = ApexLossScaler
 
 # The class's own unscale methods, kept apart from the class so that a script's patch of the class itself is told too
 _OWN_UNSCALES = {"unscale": ApexLossScaler.unscale, "unscale_with_stashed": ApexLossScaler.unscale_with_stashed}
+# Each scaler's verdict, decided at its first unscale: the per-step cost is one lookup (getattr of both methods was
+# several). A scaler that cannot be a weak key is looked at every time.
+_SCRIPTS_UNSCALES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
-def unscales_its_own_way(scaler: Any) -> bool:
-    """Whether ``scaler``'s ``unscale`` or ``unscale_with_stashed`` is a script's (a subclass's override, a patch of
-    the class or of the one scaler): amp's ``scale_loss`` then unscales through them, as Apex's post-backward did."""
-    methods = ((getattr(scaler, name, None), own) for name, own in _OWN_UNSCALES.items())
-    return any(method is not None and getattr(method, "__func__", None) is not own for method, own in methods)
+def scripts_unscales(scaler: Any) -> frozenset[str]:
+    """Which of ``scaler``'s ``unscale`` and ``unscale_with_stashed`` are a script's (a subclass's override, a patch of
+    the class or of the one scaler), decided once per scaler: amp's post-backward and ``FP16_Optimizer`` then unscale
+    through them, as Apex did (ColossalAI's scaler agrees its overflow across model-parallel ranks there)."""
+    try:
+        return _SCRIPTS_UNSCALES[scaler]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable, or no weak reference to it
+        return _scripts_unscales(scaler)
+    names = _SCRIPTS_UNSCALES[scaler] = _scripts_unscales(scaler)
+    return names
+
+
+def _scripts_unscales(scaler: Any) -> frozenset[str]:
+    methods = ((name, getattr(scaler, name, None), own) for name, own in _OWN_UNSCALES.items())
+    return frozenset(
+        name for name, method, own in methods if method is not None and getattr(method, "__func__", None) is not own
+    )

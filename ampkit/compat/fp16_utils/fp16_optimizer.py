@@ -30,7 +30,7 @@ from ampkit.compat import amp_c
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
 from ampkit.compat.amp._amp_state import maybe_print
-from ampkit.compat.amp.scaler import ApexLossScaler
+from ampkit.compat.amp.scaler import ApexLossScaler, scripts_unscales
 from ampkit.compat.fp16_utils.fp16util import clip_grad_norm
 from ampkit.ops._switches import checked_switch
 
@@ -267,9 +267,12 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         scale: ``overflow`` is True when a dynamic scaler saw inf/nan (this iteration) and backed off."""
         self.loss_scaler.clear_overflow_state()
         if self._combiner.pending:
-            found_inf = self._combiner.combine(self.loss_scaler).found_inf
-            if self.loss_scaler.dynamic and not self._grads_overflowed:
-                self._grads_overflowed = bool(found_inf.item())
+            if "unscale" in scripts_unscales(self.loss_scaler):
+                self._unscale_through_scaler()
+            else:
+                found_inf = self._combiner.combine(self.loss_scaler).found_inf
+                if self.loss_scaler.dynamic and not self._grads_overflowed:
+                    self._grads_overflowed = bool(found_inf.item())
             # a param no backward reached keeps the grad it had, as Apex left it (prepare_backward took it away)
             for (param, _), before in zip(self._low_pairs, self._grads_before, strict=True):
                 if param.grad is None and before is not None:
@@ -280,6 +283,43 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
             self.loss_scaler._overflow_buf.fill_(1)
         # through the attribute, as Apex decided it: a script's update_scale (the overflow agreed across ranks) decides
         self.overflow = self.loss_scaler.update_scale()
+
+    @torch.no_grad()
+    def _unscale_through_scaler(self) -> None:
+        """The backward's gradients unscaled through the scaler's own ``unscale``, a script's (a subclass's or a
+        patch: its overflow agreed across ranks, say), called as Apex's last version called it: the fp16 params' new
+        gradients onto their masters, then the float32 params' in place, at ``loss_scale()``. Gradients an earlier
+        backward of this iteration left are added afterwards (Apex re-unscaled the accumulated fp16 gradients)."""
+        scaler = self.loss_scaler
+        combiner = self._combiner
+        lists: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {False: ([], []), True: ([], [])}
+        sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a gradient, what to add to it once unscaled)
+        for param, owner, stashed in zip(combiner.params, combiner.grad_owners, combiner.take_stash(), strict=True):
+            grad = param.grad
+            own = owner is param
+            if grad is None:
+                if stashed is not None:
+                    param.grad = stashed
+                continue
+            if own:  # unscaled in place, then what was stashed before the backward added
+                out = grad
+                if stashed is not None:
+                    sums.append((grad, stashed))
+            elif owner.grad is None:
+                out = owner.grad = torch.empty_like(owner)
+            else:  # the master's gradient from an earlier backward of this iteration
+                out = torch.empty_like(owner)
+                sums.append((owner.grad, out))
+            lists[own][0].append(grad)
+            lists[own][1].append(out)
+        for own in (False, True):  # Apex's order: the fp16 params onto their masters, then the float32 params
+            model_grads, master_grads = lists[own]
+            if model_grads:
+                scaler.unscale(model_grads, master_grads, scaler.loss_scale())
+        for total, part in sums:
+            total.add_(part)
+        if scaler.dynamic and not self._grads_overflowed:  # where the script's unscale left its verdict
+            self._grads_overflowed = bool(scaler._has_overflow) or bool(scaler._overflow_buf.item())
 
     def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
         """The fp32 master grads per param group (``None`` for a param without one); ``None`` while ``overflow``."""

@@ -41,6 +41,10 @@ Apex argument → effect here:
   ``.grad`` a view of its buffer, as Apex left them for optimizers that step a flat gradient (MLPerf's GNMT, SSD);
   ``active_params`` and ``active_i_buckets`` name the parameters of each buffer, as Apex's did. The buffers hold
   every gradient after each backward, a reentrant checkpoint's included (Apex's held the inner backward's only).
+- A subclass's ``allreduce_bucket`` (one that all-reduces over its own group, as hierarchical trainers did) is
+  what reduces each bucket, called as Apex called it: ``(grads, bucket_idx, force_default_stream)`` (``True`` at the
+  end of backward), or ``(grads)`` for Apex's older signature; the flat tensor it returns is what the gradients
+  become. Decided at construction.
 - ``allreduce_trigger_params``, ``num_allreduce_streams``, ``allreduce_communicators``, ``prof`` → no effect
   (torch's reducer schedules buckets and streams itself); a non-default value warns once.
 
@@ -151,6 +155,32 @@ def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string an
     reduced = _before_allreduce(options, buffer)
     future = dist.all_reduce(reduced, group=group, async_op=True).get_future()
     return future.then(lambda fut: _after_allreduce(options, fut.value()[0], world_size).to(buffer.dtype))
+
+
+def _scripts_allreduce_hook(ddp_ref, bucket):  # unannotated: DDP rejects string annotations of comm hooks
+    """torch DDP comm hook: one ``dist.GradBucket`` reduced by the subclass's ``allreduce_bucket``, as Apex's
+    overlapping reduce called it; the flat tensor it returns becomes the bucket (a future already done)."""
+    ddp = ddp_ref()
+    buffer = bucket.buffer()
+    reduced = ddp._call_allreduce_bucket(bucket.gradients(), bucket.index(), False)
+    if reduced is not None and reduced is not buffer:
+        buffer.copy_(reduced.reshape(-1))
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def _allreduce_bucket_arity(ddp: torch.nn.Module) -> int | None:
+    """How many arguments the subclass's ``allreduce_bucket`` takes: 3 (Apex's last ``bucket, bucket_idx,
+    force_default_stream``) or 1 (its older ``bucket``); None where it has none (ampkit's class reduces by itself)."""
+    method = getattr(ddp, "allreduce_bucket", None)
+    if method is None:
+        return None
+    try:
+        inspect.signature(method).bind([], 0, False)
+    except TypeError:
+        return 1
+    return 3
 
 
 def _queue_end_of_backward_reduce(ddp_ref: weakref.ref, param: torch.Tensor) -> None:
@@ -403,8 +433,21 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if not self._reducer_params:  # a frozen module (a target network): torch's reducer never runs for it
             self._reducer_overlaps = False
         self._reached_params: set[int] | None = None  # filled by the parameters' hooks while _reducer_overlaps is None
-        if not delay_allreduce and not self._reduce_options.is_torch_default and not self._parameterless:
-            self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
+        # a subclass's own allreduce_bucket reduces each bucket, as Apex called it (decided once, here)
+        self._allreduce_bucket_arity = _allreduce_bucket_arity(self)
+        if not delay_allreduce and not self._parameterless:
+            if self._allreduce_bucket_arity is not None:
+                self.register_comm_hook(weakref.ref(self), _scripts_allreduce_hook)
+            elif not self._reduce_options.is_torch_default:
+                self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
+
+    def _call_allreduce_bucket(
+        self, grads: list[torch.Tensor], bucket_idx: int, force_default_stream: bool
+    ) -> torch.Tensor | None:
+        """The subclass's ``allreduce_bucket`` on one bucket of gradients, with the arguments its signature takes."""
+        if self._allreduce_bucket_arity == 1:
+            return self.allreduce_bucket(grads)
+        return self.allreduce_bucket(grads, bucket_idx, force_default_stream)
 
     def _wrap_with_torch(self, module: torch.nn.Module, torch_ddp_kwargs: dict[str, Any]) -> None:
         """torch's constructor on ``module`` (one frozen whole made trainable while it runs)."""
@@ -513,11 +556,18 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._allreduce_queued = False
         group, world_size = _group_and_size(self._reduce_options)
         reduced_buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.nn.Parameter], torch.Tensor]] = {}
-        for key, params in _gradient_buckets(self._agree_gradients_to_reduce()).items():
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            reduced = _before_allreduce(self._reduce_options, flat)
-            dist.all_reduce(reduced, group=group)
-            reduced = _after_allreduce(self._reduce_options, reduced, world_size).to(flat.dtype)
+        for index, (key, params) in enumerate(_gradient_buckets(self._agree_gradients_to_reduce()).items()):
+            if self._allreduce_bucket_arity is not None:  # the subclass's, as Apex's allreduce_fallback called it
+                grads = [p.grad for p in params]
+                returned = self._call_allreduce_bucket(grads, index, True)
+                reduced = torch.cat([g.reshape(-1) for g in grads]) if returned is None else returned.reshape(-1)
+                if reduced.dtype != key[1]:
+                    reduced = reduced.to(key[1])
+            else:
+                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                reduced = _before_allreduce(self._reduce_options, flat)
+                dist.all_reduce(reduced, group=group)
+                reduced = _after_allreduce(self._reduce_options, reduced, world_size).to(flat.dtype)
             if self.retain_allreduce_buffers:
                 reduced_buckets[key] = (params, reduced)  # the gradients become views of it: no copy back
             else:
