@@ -345,3 +345,32 @@ def test_a_gpu_index_in_trainer_device_under_torchrun_is_named_once_as_each_rank
                 "local rank 0, cuda:1 on local rank 1, ...); set trainer.device=cuda (or auto), and choose the GPUs "
                 "with CUDA_VISIBLE_DEVICES"]  # fmt: skip
     assert named == (expected if said else [])
+
+
+@pytest.mark.parametrize("route", ["unscale", "unscale_with_stashed", "post_backward_models_are_masters"])
+def test_apex_loss_scalers_own_overflow_flag_follows_the_gradients_to_the_gpu(route):
+    """A scaler's ``_overflow_buf`` was made on the CPU and moved only by amp's own unscale: a script unscaling by
+    itself first (onnxruntime's replaced O2 post-backward, NVIDIA BERT's scaler.unscale) handed the kernels CUDA
+    gradients beside a CPU flag. A buffer the script put there is its own and stays where it is."""
+    from ampkit.compat.amp._process_optimizer import post_backward_models_are_masters
+    from ampkit.compat.amp.scaler import LossScaler
+
+    with PretendGpu():
+        scaler = LossScaler("dynamic", init_scale=4.0)
+        grads = [torch.tensor([8.0, float("inf")], device="cuda"), torch.full((3,), 4.0, device="cuda")]
+        if route == "unscale":
+            scaler.unscale(grads, grads, None)
+        elif route == "unscale_with_stashed":
+            stashed = [torch.ones_like(g) for g in grads]
+            scaler.unscale_with_stashed(grads, stashed, grads)
+        else:
+            params = [torch.zeros(2, device="cuda"), torch.zeros(3, device="cuda")]
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+            post_backward_models_are_masters(scaler, params, [None, torch.ones(3, device="cuda")])
+        assert scaler._overflow_buf.device == GPU
+        assert scaler.update_scale() and scaler.loss_scale() == 2.0  # the inf was flagged there, and read
+        mine = scaler._overflow_buf = torch.zeros(1, dtype=torch.int32)  # a script's own, on the CPU
+        scaler.clear_overflow_state()
+        scaler.unscale([torch.ones(1)], [torch.ones(1)], None)
+        assert scaler._overflow_buf is mine and mine.device.type == "cpu"
