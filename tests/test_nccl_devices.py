@@ -374,3 +374,35 @@ def test_apex_loss_scalers_own_overflow_flag_follows_the_gradients_to_the_gpu(ro
         scaler.clear_overflow_state()
         scaler.unscale([torch.ones(1)], [torch.ones(1)], None)
         assert scaler._overflow_buf is mine and mine.device.type == "cpu"
+
+
+class MovedByModelCuda(torch.nn.Parameter):
+    """A parameter whose data ``model.cuda()`` moved after an optimizer took it (the optimizer holds the same object):
+    its device says so, its values stay on the CPU here."""
+
+    moved_to: torch.device | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.moved_to or super().device
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad"])
+def test_apex_optimizers_skip_flag_follows_their_parameters_to_the_gpu(name):
+    """Apex's ``_dummy_overflow_buf`` was ``torch.cuda.IntTensor([0])``; ours was made where the parameters were at
+    construction, so an optimizer built before ``model.cuda()`` handed a subclass's ``amp_C`` step (fairseq's
+    FusedAdamV2) a CPU flag beside CUDA tensors. It follows them, its value kept; one the script assigns is its own."""
+    from ampkit.compat import optimizers
+
+    param = MovedByModelCuda(torch.zeros(3))
+    optimizer = getattr(optimizers, name)([param], lr=0.1)
+    flag = optimizer._dummy_overflow_buf
+    assert flag is optimizer._dummy_overflow_buf and flag.device.type == "cpu"  # made once, where the params are
+    flag.fill_(1)
+    param.moved_to = GPU
+    with PretendGpu():
+        assert optimizer._dummy_overflow_buf.device == GPU
+        assert optimizer._dummy_overflow_buf is optimizer._dummy_overflow_buf
+        assert optimizer._dummy_overflow_buf.cpu().tolist() == [1]
+    mine = optimizer._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32)
+    assert optimizer._dummy_overflow_buf is mine
