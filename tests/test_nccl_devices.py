@@ -406,3 +406,48 @@ def test_apex_optimizers_skip_flag_follows_their_parameters_to_the_gpu(name):
         assert optimizer._dummy_overflow_buf.cpu().tolist() == [1]
     mine = optimizer._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32)
     assert optimizer._dummy_overflow_buf is mine
+
+
+class CountsHostTraffic(PretendGpu):
+    """The pretend GPU, counting what would synchronize with it on CUDA: a copy of host data to it (``torch.tensor``
+    of a list onto ``cuda``, a CPU tensor moved there: torch waits for the stream after a pageable copy) and a read of
+    one of its values (``item``, ``tolist``, ``bool``, ``float``, ``cpu``)."""
+
+    READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.cpu)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor and _device_of(kwargs.get("device")) == "cuda":
+            self.syncs.append("torch.tensor onto the GPU")
+        elif func in (torch.Tensor.to, torch.Tensor.cuda) and not isinstance(args[0], OnGpu):
+            if func is torch.Tensor.cuda or any(_device_of(a) == "cuda" for a in (*args[1:], kwargs.get("device"))):
+                self.syncs.append(f"{func.__name__} of a CPU tensor onto the GPU")
+        elif func in self.READS and isinstance(args[0], OnGpu):
+            self.syncs.append(f"{func.__name__} of a GPU tensor")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_averaging_gradients_over_ranks_costs_no_sync_where_every_rank_has_them():
+    """grad_sync=step averages every optimizer step: the count of ranks holding each gradient was built with
+    ``torch.tensor(list, device=cuda)``, a pageable copy after which torch waits for the GPU, every step. It is made
+    on the device; only a rank that lacks a gradient reads the counts back (once)."""
+    from ampkit.amp.grad_average import average_grads
+
+    traffic = CountsHostTraffic()
+    with traffic:
+        params = [torch.zeros(2, device="cuda").requires_grad_() for _ in range(3)]
+        for param, value in zip(params, (1.0, 2.0, 4.0), strict=True):
+            param.grad = torch.full((2,), value, device="cuda")
+        traffic.syncs.clear()
+        average_grads(params, 2, lambda flat: flat.mul_(2))  # the other rank has the same gradients
+        assert traffic.syncs == []
+        assert [p.grad.cpu().tolist() for p in params] == [[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]]
+        params[1].grad = None  # a layer this rank's batch skipped, and the other rank's (it has what this one has)
+        traffic.syncs.clear()
+        average_grads(params, 2, lambda flat: flat.mul_(2))
+        assert traffic.syncs == ["tolist of a GPU tensor"]
+        assert params[1].grad is None and params[2].grad.cpu().tolist() == [4.0, 4.0]  # no rank reached it
