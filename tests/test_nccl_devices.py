@@ -451,3 +451,18 @@ def test_averaging_gradients_over_ranks_costs_no_sync_where_every_rank_has_them(
         average_grads(params, 2, lambda flat: flat.mul_(2))
         assert traffic.syncs == ["tolist of a GPU tensor"]
         assert params[1].grad is None and params[2].grad.cpu().tolist() == [4.0, 4.0]  # no rank reached it
+
+
+def test_sync_batchnorm_reduces_on_this_ranks_gpu_with_no_sync_a_layer(nccl):
+    """Each SyncBatchNorm's forward all-reduces its sums beside the batch's sample count, which was a
+    ``torch.tensor([count], device=cuda)``: a copy torch waits on, one GPU sync per layer per forward. Its statistics
+    go to NCCL on this rank's GPU and nothing is read back. (The backward's gradients come from autograd's engine,
+    which the pretend GPU does not reach: its one all-reduce is of them, where they are.)"""
+    from ampkit.ops.sync_batchnorm import SyncBatchNorm
+
+    norm = SyncBatchNorm(3, device="cuda")
+    with CountsHostTraffic() as traffic:
+        out = norm(torch.randn(4, 3, 5, device="cuda"))
+    assert traffic.syncs == []
+    assert [name for name, _, _ in nccl.calls] == ["all_reduce"] * 2  # the sums with the count, then the variance
+    assert out.device == norm.running_mean.device == GPU
