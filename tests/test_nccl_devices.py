@@ -466,3 +466,14 @@ def test_sync_batchnorm_reduces_on_this_ranks_gpu_with_no_sync_a_layer(nccl):
     assert traffic.syncs == []
     assert [name for name, _, _ in nccl.calls] == ["all_reduce"] * 2  # the sums with the count, then the variance
     assert out.device == norm.running_mean.device == GPU
+
+
+def test_the_stop_agreement_reads_the_gpu_once_whatever_its_host_flags(nccl):
+    """The stop agreement at an epoch's start (and each logging iteration's) hands NCCL three host bools: each was a
+    ``torch.tensor(flag, device=cuda)``, a copy torch waits on, before the one read of the agreed flags."""
+    env = DistributedEnv(rank=0, world_size=2)
+    with CountsHostTraffic() as traffic:
+        agreed = distributed.any_rank([True, False, torch.zeros((), device="cuda"), False], env)
+    assert agreed == [True, False, False, False]
+    assert traffic.syncs == ["tolist of a GPU tensor"]
+    assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]

@@ -373,7 +373,7 @@ def any_rank(flags: Sequence[torch.Tensor | bool], env: DistributedEnv) -> list[
         [
             f.reshape(()).to(device, torch.float32)
             if isinstance(f, torch.Tensor)
-            else torch.tensor(float(f), device=device)
+            else torch.full((), float(f), device=device)  # a fill: a host bool copied to a GPU is a sync of its own
             for f in flags
         ]
     )
