@@ -477,3 +477,19 @@ def test_the_stop_agreement_reads_the_gpu_once_whatever_its_host_flags(nccl):
     assert agreed == [True, False, False, False]
     assert traffic.syncs == ["tolist of a GPU tensor"]
     assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]
+
+
+def test_apex_no_sync_averaging_reads_its_inf_checks_in_one_transfer(nccl):
+    """Apex amp's average of what DDP's ``no_sync`` left rank-local (once an accumulation cycle) asked whether each
+    gradient was finite before and after, one ``bool`` each: two GPU syncs a parameter. Read together: one. The
+    averaging itself goes to NCCL on this rank's GPU."""
+    from ampkit.compat.amp._ddp_no_sync import _average_grads
+
+    params = [torch.zeros(2, device="cuda").requires_grad_() for _ in range(4)]
+    for param in params:
+        param.grad = torch.ones(2, device="cuda")
+    params[2].grad[0] = float("inf")  # this rank's own inf: nothing came from another rank
+    with CountsHostTraffic() as traffic:
+        assert not _average_grads(params, None)
+    assert len(traffic.syncs) == 1, traffic.syncs
+    assert [name for name, _, _ in nccl.calls] == ["all_reduce"]
