@@ -424,7 +424,9 @@ class CountsHostTraffic(PretendGpu):
         if func is torch.tensor and _device_of(kwargs.get("device")) == "cuda":
             self.syncs.append("torch.tensor onto the GPU")
         elif func in (torch.Tensor.to, torch.Tensor.cuda) and not isinstance(args[0], OnGpu):
-            if func is torch.Tensor.cuda or any(_device_of(a) == "cuda" for a in (*args[1:], kwargs.get("device"))):
+            named = (*args[1:], kwargs.get("device"))
+            onto_gpu = func is torch.Tensor.cuda or any(_device_of(a) == "cuda" for a in named)
+            if onto_gpu and not kwargs.get("non_blocking"):  # non-blocking to the GPU: staged, no wait for it
                 self.syncs.append(f"{func.__name__} of a CPU tensor onto the GPU")
         elif func in self.READS and isinstance(args[0], OnGpu):
             self.syncs.append(f"{func.__name__} of a GPU tensor")
@@ -493,3 +495,13 @@ def test_apex_no_sync_averaging_reads_its_inf_checks_in_one_transfer(nccl):
         assert not _average_grads(params, None)
     assert len(traffic.syncs) == 1, traffic.syncs
     assert [name for name, _, _ in nccl.calls] == ["all_reduce"]
+
+
+def test_a_sum_over_ranks_reads_the_gpu_once(nccl):
+    """Evaluation sums, the finite-weights and non-finite-loss checks add numbers over ranks: ``torch.tensor(values,
+    device=cuda)`` waited for the GPU after its copy, a sync before the one read of the sums."""
+    env = DistributedEnv(rank=0, world_size=2)
+    with CountsHostTraffic() as traffic:
+        assert distributed.all_reduce_sum([1.0, 0.5], env) == [2.0, 1.0]
+    assert traffic.syncs == ["cpu of a GPU tensor"]
+    assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]
