@@ -505,3 +505,17 @@ def test_a_sum_over_ranks_reads_the_gpu_once(nccl):
         assert distributed.all_reduce_sum([1.0, 0.5], env) == [2.0, 1.0]
     assert traffic.syncs == ["cpu of a GPU tensor"]
     assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]
+
+
+def test_apex_ddps_delayed_allreduce_agrees_its_gradients_with_one_sync(nccl):
+    """apex.parallel.DistributedDataParallel(delay_allreduce=True) agrees at each backward's end which gradients
+    every rank reduces: its flags were a ``torch.tensor(list, device=cuda)``, a sync before the one read of them."""
+    from ampkit.compat.parallel.distributed import _agree_across_ranks
+
+    params = [torch.zeros(2, device="cuda").requires_grad_() for _ in range(3)]
+    params[0].grad = torch.ones(2, device="cuda")
+    with CountsHostTraffic() as traffic:
+        agreed = _agree_across_ranks(params, [True, False, False], None)
+    assert agreed == [params[0]]
+    assert traffic.syncs == ["tolist of a GPU tensor"]
+    assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]
