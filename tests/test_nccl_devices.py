@@ -345,3 +345,177 @@ def test_a_gpu_index_in_trainer_device_under_torchrun_is_named_once_as_each_rank
                 "local rank 0, cuda:1 on local rank 1, ...); set trainer.device=cuda (or auto), and choose the GPUs "
                 "with CUDA_VISIBLE_DEVICES"]  # fmt: skip
     assert named == (expected if said else [])
+
+
+@pytest.mark.parametrize("route", ["unscale", "unscale_with_stashed", "post_backward_models_are_masters"])
+def test_apex_loss_scalers_own_overflow_flag_follows_the_gradients_to_the_gpu(route):
+    """A scaler's ``_overflow_buf`` was made on the CPU and moved only by amp's own unscale: a script unscaling by
+    itself first (onnxruntime's replaced O2 post-backward, NVIDIA BERT's scaler.unscale) handed the kernels CUDA
+    gradients beside a CPU flag. A buffer the script put there is its own and stays where it is."""
+    from ampkit.compat.amp._process_optimizer import post_backward_models_are_masters
+    from ampkit.compat.amp.scaler import LossScaler
+
+    with PretendGpu():
+        scaler = LossScaler("dynamic", init_scale=4.0)
+        grads = [torch.tensor([8.0, float("inf")], device="cuda"), torch.full((3,), 4.0, device="cuda")]
+        if route == "unscale":
+            scaler.unscale(grads, grads, None)
+        elif route == "unscale_with_stashed":
+            stashed = [torch.ones_like(g) for g in grads]
+            scaler.unscale_with_stashed(grads, stashed, grads)
+        else:
+            params = [torch.zeros(2, device="cuda"), torch.zeros(3, device="cuda")]
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+            post_backward_models_are_masters(scaler, params, [None, torch.ones(3, device="cuda")])
+        assert scaler._overflow_buf.device == GPU
+        assert scaler.update_scale() and scaler.loss_scale() == 2.0  # the inf was flagged there, and read
+        mine = scaler._overflow_buf = torch.zeros(1, dtype=torch.int32)  # a script's own, on the CPU
+        scaler.clear_overflow_state()
+        scaler.unscale([torch.ones(1)], [torch.ones(1)], None)
+        assert scaler._overflow_buf is mine and mine.device.type == "cpu"
+
+
+class MovedByModelCuda(torch.nn.Parameter):
+    """A parameter whose data ``model.cuda()`` moved after an optimizer took it (the optimizer holds the same object):
+    its device says so, its values stay on the CPU here."""
+
+    moved_to: torch.device | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.moved_to or super().device
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad"])
+def test_apex_optimizers_skip_flag_follows_their_parameters_to_the_gpu(name):
+    """Apex's ``_dummy_overflow_buf`` was ``torch.cuda.IntTensor([0])``; ours was made where the parameters were at
+    construction, so an optimizer built before ``model.cuda()`` handed a subclass's ``amp_C`` step (fairseq's
+    FusedAdamV2) a CPU flag beside CUDA tensors. It follows them, its value kept; one the script assigns is its own."""
+    from ampkit.compat import optimizers
+
+    param = MovedByModelCuda(torch.zeros(3))
+    optimizer = getattr(optimizers, name)([param], lr=0.1)
+    flag = optimizer._dummy_overflow_buf
+    assert flag is optimizer._dummy_overflow_buf and flag.device.type == "cpu"  # made once, where the params are
+    flag.fill_(1)
+    param.moved_to = GPU
+    with PretendGpu():
+        assert optimizer._dummy_overflow_buf.device == GPU
+        assert optimizer._dummy_overflow_buf is optimizer._dummy_overflow_buf
+        assert optimizer._dummy_overflow_buf.cpu().tolist() == [1]
+    mine = optimizer._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32)
+    assert optimizer._dummy_overflow_buf is mine
+
+
+class CountsHostTraffic(PretendGpu):
+    """The pretend GPU, counting what would synchronize with it on CUDA: a copy of host data to it (``torch.tensor``
+    of a list onto ``cuda``, a CPU tensor moved there: torch waits for the stream after a pageable copy) and a read of
+    one of its values (``item``, ``tolist``, ``bool``, ``float``, ``cpu``)."""
+
+    READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.cpu)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor and _device_of(kwargs.get("device")) == "cuda":
+            self.syncs.append("torch.tensor onto the GPU")
+        elif func in (torch.Tensor.to, torch.Tensor.cuda) and not isinstance(args[0], OnGpu):
+            named = (*args[1:], kwargs.get("device"))
+            onto_gpu = func is torch.Tensor.cuda or any(_device_of(a) == "cuda" for a in named)
+            if onto_gpu and not kwargs.get("non_blocking"):  # non-blocking to the GPU: staged, no wait for it
+                self.syncs.append(f"{func.__name__} of a CPU tensor onto the GPU")
+        elif func in self.READS and isinstance(args[0], OnGpu):
+            self.syncs.append(f"{func.__name__} of a GPU tensor")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_averaging_gradients_over_ranks_costs_no_sync_where_every_rank_has_them():
+    """grad_sync=step averages every optimizer step: the count of ranks holding each gradient was built with
+    ``torch.tensor(list, device=cuda)``, a pageable copy after which torch waits for the GPU, every step. It is made
+    on the device; only a rank that lacks a gradient reads the counts back (once)."""
+    from ampkit.amp.grad_average import average_grads
+
+    traffic = CountsHostTraffic()
+    with traffic:
+        params = [torch.zeros(2, device="cuda").requires_grad_() for _ in range(3)]
+        for param, value in zip(params, (1.0, 2.0, 4.0), strict=True):
+            param.grad = torch.full((2,), value, device="cuda")
+        traffic.syncs.clear()
+        average_grads(params, 2, lambda flat: flat.mul_(2))  # the other rank has the same gradients
+        assert traffic.syncs == []
+        assert [p.grad.cpu().tolist() for p in params] == [[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]]
+        params[1].grad = None  # a layer this rank's batch skipped, and the other rank's (it has what this one has)
+        traffic.syncs.clear()
+        average_grads(params, 2, lambda flat: flat.mul_(2))
+        assert traffic.syncs == ["tolist of a GPU tensor"]
+        assert params[1].grad is None and params[2].grad.cpu().tolist() == [4.0, 4.0]  # no rank reached it
+
+
+def test_sync_batchnorm_reduces_on_this_ranks_gpu_with_no_sync_a_layer(nccl):
+    """Each SyncBatchNorm's forward all-reduces its sums beside the batch's sample count, which was a
+    ``torch.tensor([count], device=cuda)``: a copy torch waits on, one GPU sync per layer per forward. Its statistics
+    go to NCCL on this rank's GPU and nothing is read back. (The backward's gradients come from autograd's engine,
+    which the pretend GPU does not reach: its one all-reduce is of them, where they are.)"""
+    from ampkit.ops.sync_batchnorm import SyncBatchNorm
+
+    norm = SyncBatchNorm(3, device="cuda")
+    with CountsHostTraffic() as traffic:
+        out = norm(torch.randn(4, 3, 5, device="cuda"))
+    assert traffic.syncs == []
+    assert [name for name, _, _ in nccl.calls] == ["all_reduce"] * 2  # the sums with the count, then the variance
+    assert out.device == norm.running_mean.device == GPU
+
+
+def test_the_stop_agreement_reads_the_gpu_once_whatever_its_host_flags(nccl):
+    """The stop agreement at an epoch's start (and each logging iteration's) hands NCCL three host bools: each was a
+    ``torch.tensor(flag, device=cuda)``, a copy torch waits on, before the one read of the agreed flags."""
+    env = DistributedEnv(rank=0, world_size=2)
+    with CountsHostTraffic() as traffic:
+        agreed = distributed.any_rank([True, False, torch.zeros((), device="cuda"), False], env)
+    assert agreed == [True, False, False, False]
+    assert traffic.syncs == ["tolist of a GPU tensor"]
+    assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]
+
+
+def test_apex_no_sync_averaging_reads_its_inf_checks_in_one_transfer(nccl):
+    """Apex amp's average of what DDP's ``no_sync`` left rank-local (once an accumulation cycle) asked whether each
+    gradient was finite before and after, one ``bool`` each: two GPU syncs a parameter. Read together: one. The
+    averaging itself goes to NCCL on this rank's GPU."""
+    from ampkit.compat.amp._ddp_no_sync import _average_grads
+
+    params = [torch.zeros(2, device="cuda").requires_grad_() for _ in range(4)]
+    for param in params:
+        param.grad = torch.ones(2, device="cuda")
+    params[2].grad[0] = float("inf")  # this rank's own inf: nothing came from another rank
+    with CountsHostTraffic() as traffic:
+        assert not _average_grads(params, None)
+    assert len(traffic.syncs) == 1, traffic.syncs
+    assert [name for name, _, _ in nccl.calls] == ["all_reduce"]
+
+
+def test_a_sum_over_ranks_reads_the_gpu_once(nccl):
+    """Evaluation sums, the finite-weights and non-finite-loss checks add numbers over ranks: ``torch.tensor(values,
+    device=cuda)`` waited for the GPU after its copy, a sync before the one read of the sums."""
+    env = DistributedEnv(rank=0, world_size=2)
+    with CountsHostTraffic() as traffic:
+        assert distributed.all_reduce_sum([1.0, 0.5], env) == [2.0, 1.0]
+    assert traffic.syncs == ["cpu of a GPU tensor"]
+    assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]
+
+
+def test_apex_ddps_delayed_allreduce_agrees_its_gradients_with_one_sync(nccl):
+    """apex.parallel.DistributedDataParallel(delay_allreduce=True) agrees at each backward's end which gradients
+    every rank reduces: its flags were a ``torch.tensor(list, device=cuda)``, a sync before the one read of them."""
+    from ampkit.compat.parallel.distributed import _agree_across_ranks
+
+    params = [torch.zeros(2, device="cuda").requires_grad_() for _ in range(3)]
+    params[0].grad = torch.ones(2, device="cuda")
+    with CountsHostTraffic() as traffic:
+        agreed = _agree_across_ranks(params, [True, False, False], None)
+    assert agreed == [params[0]]
+    assert traffic.syncs == ["tolist of a GPU tensor"]
+    assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]

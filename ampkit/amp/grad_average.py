@@ -23,7 +23,11 @@ def average_grads(tensors: Sequence[torch.Tensor], world_size: int, all_reduce: 
         return
     fillers = {id(t): torch.zeros_like(t) for t in tensors if t.grad is None}
     grads = [fillers[id(t)] if id(t) in fillers else t.grad for t in tensors]
-    held = torch.tensor([float(id(t) not in fillers) for t in tensors], device=tensors[0].device)
+    # Filled on the device: a list copied there (torch.tensor(..., device=cuda)) makes torch wait for the GPU.
+    held = torch.ones(len(tensors), device=tensors[0].device)
+    for index, t in enumerate(tensors):
+        if id(t) in fillers:
+            held[index] = 0.0
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in (*grads, held):
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)

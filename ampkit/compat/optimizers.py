@@ -172,9 +172,6 @@ def _apex_class(name: str, base: type) -> type:
         base.__init__(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
-        params = [p for group in self.param_groups for p in group["params"]]
-        device = params[0].device if params else torch.device("cpu")
-        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)  # Apex's skip flag for amp_C
         for attribute, recipe in recipes.items():
             setattr(self, attribute, recipe(bound.arguments))
         for attribute, op in ops.items():
@@ -182,6 +179,7 @@ def _apex_class(name: str, base: type) -> type:
 
     namespace: dict[str, Any] = {
         "__init__": __init__,
+        "_dummy_overflow_buf": _SkipFlagOnTheParamsDevice(),
         "__module__": __name__,
         "__doc__": f"Apex's ``{name}``: :class:`ampkit.ops.optimizers.{name}` with Apex's attributes"
         + (", counting steps per param group as Apex did." if name in _GROUP_STEP_NAMES else "."),
@@ -195,6 +193,32 @@ def _apex_class(name: str, base: type) -> type:
         namespace["step"] = _fused_adam_step(base)
         namespace["__new__"] = _first_fused_adam_when_asked
     return type(name, (base,), namespace)
+
+
+class _SkipFlagOnTheParamsDevice:
+    """Apex's ``_dummy_overflow_buf``, the one-element int32 flag subclasses hand ``amp_C`` with their tensors: on the
+    parameters' device as they are now (Apex's was ``torch.cuda.IntTensor([0])``), so an optimizer built before
+    ``model.cuda()`` gives the kernels a flag on the GPU, not one on the CPU beside CUDA tensors. Moved once, its value
+    kept; one a script assigns is its own, left where it is."""
+
+    def __get__(self, optimizer: Any, owner: type | None = None) -> Any:
+        if optimizer is None:
+            return self
+        state = optimizer.__dict__
+        buf = state.get("_apex_skip_flag")
+        if state.get("_apex_skip_flag_assigned"):
+            return buf
+        first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        device = torch.device("cpu") if first is None else first.device
+        if buf is None or buf.device != device:
+            buf = state["_apex_skip_flag"] = (
+                torch.zeros(1, dtype=torch.int32, device=device) if buf is None else buf.to(device)
+            )
+        return buf
+
+    def __set__(self, optimizer: Any, value: Any) -> None:
+        optimizer.__dict__["_apex_skip_flag"] = value
+        optimizer.__dict__["_apex_skip_flag_assigned"] = True
 
 
 def __getattr__(name: str) -> Any:

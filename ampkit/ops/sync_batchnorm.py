@@ -36,7 +36,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         shape = [1, -1] + [1] * (x.dim() - 2)
         compute = accumulate_dtype(x.dtype)  # float64 data keeps float64 statistics, as torch's batch norm
         xf = x.to(compute)
-        count = torch.tensor([x.numel() / x.shape[1]], dtype=compute, device=x.device)
+        count = torch.full((1,), x.numel() / x.shape[1], dtype=compute, device=x.device)  # a fill: no copy to wait on
         sums = _all_reduce(torch.cat([xf.sum(dims), count]), group)
         total = sums[-1]
         mean = sums[:-1] / total

@@ -355,7 +355,9 @@ def all_reduce_sum(values: list[float], env: DistributedEnv) -> list[float]:
     """Element-wise sum over ranks (one collective)."""
     if not env.enabled:
         return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    # Made on the host and sent without waiting: torch.tensor(values, device=cuda) waits for the GPU after its copy,
+    # a sync besides the one read of the sums (a copy from the host to a GPU is safe non-blocking; back, it is not).
+    tensor = torch.tensor(values, dtype=torch.float64).to(collective_device(), non_blocking=True)
     dist.all_reduce(tensor)
     return tensor.cpu().tolist()
 
@@ -373,7 +375,7 @@ def any_rank(flags: Sequence[torch.Tensor | bool], env: DistributedEnv) -> list[
         [
             f.reshape(()).to(device, torch.float32)
             if isinstance(f, torch.Tensor)
-            else torch.tensor(float(f), device=device)
+            else torch.full((), float(f), device=device)  # a fill: a host bool copied to a GPU is a sync of its own
             for f in flags
         ]
     )

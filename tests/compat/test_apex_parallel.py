@@ -115,6 +115,43 @@ def test_larc_clipping_never_raises_a_layer_s_rate_above_the_group_s():
         torch.testing.assert_close(weight.detach(), expected)
 
 
+class _NoHostRead(torch.Tensor):
+    """A tensor whose value, or any value computed from it, fails the test when read on the host (a sync on CUDA)."""
+
+    def __bool__(self):
+        raise AssertionError("LARC read a value to the host")
+
+    item = __float__ = __int__ = tolist = __bool__
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_larc_decides_each_layers_rate_on_the_device_with_apexs_numbers(clip):
+    """Apex's ``if param_norm != 0 and grad_norm != 0`` read two norms to the host per parameter, two syncs a layer a
+    step on CUDA; the same step is decided on the device: a zero parameter or gradient left as it was (no weight
+    decay either), the others scaled by their trust ratio, as the float64 formula gives."""
+    torch.manual_seed(0)
+    lr, wd, trust = 0.1, 1e-2, 0.02
+    values = [torch.randn(4, 3), torch.zeros(3), torch.randn(5)]
+    grads = [torch.randn(4, 3), torch.tensor([0.5, -1.0, 2.0]), torch.zeros(5)]
+    expected = []
+    for w, g in zip(values, grads, strict=True):
+        w, g = w.double(), g.double()
+        if w.norm() == 0 or g.norm() == 0:
+            expected.append(g)
+            continue
+        local = trust * w.norm() / (g.norm() + wd * w.norm() + 1e-8)
+        expected.append((torch.clamp(local / lr, max=1.0) if clip else local) * (g + wd * w))
+    params = [torch.nn.Parameter(w.clone()) for w in values]
+    for param, g in zip(params, grads, strict=True):
+        param.grad = g.clone().as_subclass(_NoHostRead)
+    larc = LARC(torch.optim.SGD(params, lr=lr, weight_decay=wd), trust_coefficient=trust, clip=clip)
+    larc.optim.step = lambda: None  # LARC's own part of the step: the gradients it hands the optimizer
+    larc.step()
+    for param, want in zip(params, expected, strict=True):
+        torch.testing.assert_close(param.grad.as_subclass(torch.Tensor).double(), want, atol=0, rtol=1e-6)
+    assert larc.param_groups[0]["weight_decay"] == wd
+
+
 def test_larc_leaves_a_zero_parameter_or_gradient_to_the_wrapped_optimizer():
     """A zero-initialised bias has no norm to trust: Apex left its gradient as it was, so it trains at the group's
     rate (a ratio of 0 would freeze it at zero for good)."""

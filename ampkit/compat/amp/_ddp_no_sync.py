@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ampkit.amp.grad_average import average_grads
+from ampkit.amp.grad_combine import read_flags
 from ampkit.compat.amp._amp_state import _amp_state
 
 if TYPE_CHECKING:
@@ -91,4 +92,5 @@ def _average_grads(tensors: list[torch.Tensor], group: Any) -> bool:
     finite_before = [torch.isfinite(t.grad).all() for t in tensors if t.grad is not None]
     average_grads(tensors, dist.get_world_size(group), lambda flat: dist.all_reduce(flat, group=group))
     finite_after = [torch.isfinite(t.grad).all() for t in tensors if t.grad is not None]
-    return all(bool(f) for f in finite_before) and not all(bool(f) for f in finite_after)
+    finite = read_flags([*finite_before, *finite_after])  # one transfer: a bool() each was a GPU sync each
+    return all(finite[: len(finite_before)]) and not all(finite[len(finite_before) :])

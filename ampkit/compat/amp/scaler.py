@@ -163,11 +163,16 @@ class ApexLossScaler(EngineLossScaler):
         """Raise ``_overflow_buf`` where ``found_inf`` (amp's unscale's flag) is non-zero, on the device, where Apex's
         kernels left it: nothing is read to the host, so a static scale, whose update_scale never reads it, costs no
         sync (a dynamic one reads it there, once a backward, as Apex did)."""
-        buf = self._overflow_buf
-        if buf is self._own_overflow_buf and buf.device != found_inf.device:
-            # amp's own flag follows the gradients, as Apex's lived on the GPU: moved once, not read across each step
-            buf = self._overflow_buf = self._own_overflow_buf = buf.to(found_inf.device)
+        buf = self._overflow_buf_on(found_inf.device)
         buf.masked_fill_((found_inf.reshape(-1)[:1] != 0).to(buf.device), 1)
+
+    def _overflow_buf_on(self, device: torch.device) -> torch.Tensor:
+        """``_overflow_buf``, amp's own moved to ``device`` (the gradients'), as Apex's lived on the GPU: moved once,
+        not read across each step. A buffer the script put there is its own, left where it is."""
+        buf = self._overflow_buf
+        if buf is self._own_overflow_buf and buf.device != device:
+            buf = self._overflow_buf = self._own_overflow_buf = buf.to(device)
+        return buf
 
     def clear_overflow_state(self) -> None:
         """Forget the last overflow and zero the overflow buffer (Apex calls it before each unscale)."""
@@ -191,7 +196,9 @@ class ApexLossScaler(EngineLossScaler):
         scale = self._loss_scale if scale_override is None else positive_option(scale_override, "scale_override")
         if scale == 1.0 and models_are_masters and not self.dynamic:
             return
-        multi_tensor.scale_(list(model_grads), 1.0 / scale, self._overflow_buf, out=list(master_grads))
+        grads = list(model_grads)
+        flag = self._overflow_buf_on(grads[0].device) if grads else self._overflow_buf
+        multi_tensor.scale_(grads, 1.0 / scale, flag, out=list(master_grads))
 
     def unscale_with_stashed(
         self,
@@ -208,7 +215,8 @@ class ApexLossScaler(EngineLossScaler):
             return
         grads_have, stashed_have, out = stashed_scales(scale_override, self._loss_scale)
         lists = [list(model_grads), list(stashed_master_grads), list(master_grads)]
-        amp_c.multi_tensor_axpby(_CHUNK_SIZE, self._overflow_buf, lists, out / grads_have, out / stashed_have, 0)
+        flag = self._overflow_buf_on(lists[0][0].device) if lists[0] else self._overflow_buf
+        amp_c.multi_tensor_axpby(_CHUNK_SIZE, flag, lists, out / grads_have, out / stashed_have, 0)
 
     def update_scale(self) -> bool:
         """Apex's ``LossScaler.update_scale``: a dynamic scaler reads ``_overflow_buf`` (unless an overflow is

@@ -234,7 +234,8 @@ def _agree_across_ranks(params: list[torch.nn.Parameter], wanted: list[bool], gr
     small all-reduce of flags."""
     if not params:
         return []
-    flags = torch.tensor(wanted, dtype=torch.int32, device=params[0].device)
+    # sent without waiting (torch.tensor(..., device=cuda) waits for the GPU after its copy): one sync, the read below
+    flags = torch.tensor(wanted, dtype=torch.int32).to(params[0].device, non_blocking=True)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     agreed = [param for param, some_rank_wants in zip(params, flags.tolist(), strict=True) if some_rank_wants]
     for param in agreed:

@@ -100,15 +100,17 @@ class LARC:
                     compute = accumulate_dtype(p.dtype)
                     param_norm = torch.linalg.vector_norm(p.to(compute))
                     grad_norm = torch.linalg.vector_norm(p.grad.to(compute))
-                    if param_norm == 0 or grad_norm == 0:
-                        continue
                     adaptive_lr = (
                         self.trust_coefficient * param_norm / (grad_norm + param_norm * weight_decay + self.eps)
                     )
                     if self.clip:
                         adaptive_lr = torch.clamp(adaptive_lr / lr, max=1.0)
-                    p.grad.add_(p, alpha=weight_decay)
-                    p.grad.mul_(adaptive_lr.to(p.grad.dtype))
+                    # A zero norm leaves the gradient as it is (no weight decay either), as Apex's skip did, decided
+                    # on the device: Apex's `if` read both norms to the host, two syncs a parameter a step on CUDA.
+                    untouched = (param_norm == 0) | (grad_norm == 0)
+                    if weight_decay != 0:
+                        p.grad.copy_(torch.where(untouched, p.grad, torch.add(p.grad, p, alpha=weight_decay)))
+                    p.grad.mul_(torch.where(untouched, 1.0, adaptive_lr).to(p.grad.dtype))
         try:
             return self.optim.step(closure) if closure is not None else self.optim.step()
         finally:
