@@ -100,6 +100,15 @@ class RankValidationScores(RankScores):
         return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": "val_auc"}}
 
 
+class RankZeroValidationScores(RankValidationScores):
+    """The same, its val_auc logged by rank 0 alone (an AUC computed once, over what every rank predicted): rank zero's
+    is the one monitored, so rank 1 has none of its own, in the sanity validation either."""
+
+    def on_validation_end(self, metrics):
+        if self.is_global_zero:
+            super().on_validation_end(metrics)
+
+
 class BareModule(Plain):
     """Its loss comes from self.module, the model DDP wraps, not from self.model."""
 
@@ -942,11 +951,11 @@ def main(scenario: str, out: Path) -> None:
                "early_stopping": {"monitor": "train/score", "patience": 2}, "trainer": {**cpu, "max_epochs": 5},
                "distributed": {"timeout_s": 30}}  # fmt: skip
         trainer = (RankScores if scenario == "train_monitor" else RankZeroOnlyScores)(cfg)
-    elif scenario == "val_end_monitor":
+    elif scenario in ("val_end_monitor", "val_end_monitor_rank_zero"):
         cfg = {**base, "checkpoint": {"monitor": "val_auc", "every_n_epochs": 0},
                "early_stopping": {"monitor": "val_auc", "patience": 1}, "trainer": {**cpu, "max_epochs": 4},
                "distributed": {"timeout_s": 30}}  # fmt: skip
-        trainer = RankValidationScores(cfg)
+        trainer = (RankValidationScores if scenario == "val_end_monitor" else RankZeroValidationScores)(cfg)
     elif scenario == "bare_module":
         trainer = BareModule({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}})
     elif scenario == "uneven_batches":  # no hang until distributed.timeout_s (10 s here), whatever the data
@@ -1083,11 +1092,11 @@ def main(scenario: str, out: Path) -> None:
         extra["facts_on_device"] = trainer.facts_on_device
     if scenario == "train_monitor_rank_zero_only":
         extra["sync_refused"] = trainer.sync_refused
-    if scenario in ("train_monitor", "train_monitor_rank_zero_only", "val_end_monitor"):
+    if scenario in ("train_monitor", "train_monitor_rank_zero_only", "val_end_monitor", "val_end_monitor_rank_zero"):
         extra["stopped"] = (trainer.state.global_step, trainer.state.stop_reason)
         extra["lr"] = trainer.optimizer.param_groups[0]["lr"]
         extra["best_model_path"] = next(cb for cb in trainer.callbacks if cb.name == "ModelCheckpoint").best_model_path
-    if scenario == "val_end_monitor":
+    if scenario in ("val_end_monitor", "val_end_monitor_rank_zero"):
         extra["validated"] = trainer.validate()
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,
                 "version_dir": str(trainer.version_dir), **extra}, out / f"rank{RANK}.pt")  # fmt: skip

@@ -83,3 +83,37 @@ def test_on_load_checkpoint_editing_the_weights_it_runs_after_is_refused_and_rea
         resumed.fit(resume="last")
     shown = "\n".join([str(caught.value), *getattr(caught.value, "__notes__", [])])
     assert said in shown
+
+
+class SavesForLightningTools(ToyTrainer):
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["state_dict"] = checkpoint["model"]  # so that Lightning's tools read the file too
+
+
+class StripsACompilePrefix(ToyTrainer):
+    """A migration that rebuilds the weights' dict: on a checkpoint of a model never compiled no key changes."""
+
+    def on_load_checkpoint(self, checkpoint):
+        checkpoint["model"] = {key.removeprefix("_orig_mod."): value for key, value in checkpoint["model"].items()}
+
+
+class ClonesTheWeights(ToyTrainer):
+    def on_load_checkpoint(self, checkpoint):
+        checkpoint["model"] = {key: value.clone() for key, value in checkpoint["model"].items()}
+
+
+@pytest.mark.parametrize(
+    ("saver", "loader"),
+    [
+        (SavesForLightningTools, SavesForLightningTools),
+        (ToyTrainer, StripsACompilePrefix),
+        (ToyTrainer, ClonesTheWeights),
+    ],
+)
+def test_on_load_checkpoint_that_changes_no_weight_resumes(tmp_path, saver, loader):
+    """Refused as an edit were a ``state_dict`` entry the file itself holds (so every resume of such a run failed,
+    with or without a hook) and a hook that rebuilt the weights' dict with the same weights in it."""
+    saver(toy_cfg(tmp_path, **QUIET)).fit()
+    resumed = loader(toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 2}))
+    resumed.fit(resume="last")
+    assert resumed.state.epoch == 2

@@ -230,12 +230,14 @@ def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank
     assert rank0["best_model_path"] == rank1["best_model_path"] == named
 
 
-def test_a_tag_each_rank_logs_in_on_validation_end_ranks_stops_and_schedules_on_rank_zero_s_value(tmp_path):
+@pytest.mark.parametrize("scenario", ["val_end_monitor", "val_end_monitor_rank_zero"])
+def test_a_tag_each_rank_logs_in_on_validation_end_ranks_stops_and_schedules_on_rank_zero_s_value(tmp_path, scenario):
     """Each rank's on_validation_end logs a value of its own: early stopping, best-k and a plateau scheduler read rank
     zero's on every rank, so the run stops where rank zero's values say (step 12), not where rank 1's would (8), and
     every rank's learning rate halved once (rank 1's own values would halve it at step 8, rank 0's not); a validate()
-    after it returns rank zero's value on every rank too."""
-    rank0, rank1 = _ok(launch("val_end_monitor", tmp_path, timeout=120))
+    after it returns rank zero's value on every rank too. Logged by rank 0 alone, it is monitored the same: the sanity
+    validation refused it on rank 1 only, which left rank 0 training alone."""
+    rank0, rank1 = _ok(launch(scenario, tmp_path, timeout=120))
     reason = "early stopping: val_auc did not improve on 0.2 for 1 validation"
     assert rank0["stopped"] == rank1["stopped"] == (12, reason)
     assert rank0["lr"] == rank1["lr"] == pytest.approx(0.05 / 2)

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from ampkit.trainer.user_code import UserCodeError
 
 # Lightning's checkpoint keys -> where the dict the checkpoint hooks get holds the same here.
@@ -42,23 +44,47 @@ def fire_checkpoint_hook(fire: Callable[[str, dict[str, Any]], None], hook: str,
         raise
 
 
-def _weights_seen(checkpoint: dict[str, Any]) -> tuple[Any, list[tuple[str, int]] | None]:
-    """The weights entry of ``checkpoint`` and each of its keys with the identity of its tensor."""
-    weights = checkpoint.get("model")
-    return weights, (None if not isinstance(weights, dict) else [(k, id(v)) for k, v in weights.items()])
+_ABSENT = object()
+
+
+def _weights_seen(checkpoint: dict[str, Any], key: str) -> Any:
+    """``checkpoint[key]`` (``_ABSENT`` where there is none), a dict of weights as a copy of its entries: an edit of
+    the dict in place then shows against it."""
+    weights = checkpoint.get(key, _ABSENT)
+    return dict(weights) if isinstance(weights, dict) else weights
+
+
+def _same_weights(before: Any, after: Any) -> bool:
+    """Whether the entry ``after`` holds what ``before`` held: the same object, or a dict of the same keys whose each
+    value is the same tensor or one equal to it (a hook that rebuilds the dict and changes nothing, as a migration
+    whose renames match no key)."""
+    if before is after:
+        return True
+    if not (isinstance(before, dict) and isinstance(after, dict)) or before.keys() != after.keys():
+        return False
+    return all(_same_tensor(before[k], after[k]) for k in before)
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
 @contextmanager
 def weights_loaded_before(checkpoint: dict[str, Any]) -> Iterator[None]:
     """Around ``on_load_checkpoint``: refuse a hook's edit of ``checkpoint['model']`` (a key renamed, a tensor
-    replaced, the entry swapped) or a Lightning ``checkpoint['state_dict']`` set there, which would change nothing:
-    the weights were loaded before the hook ran."""
-    before = _weights_seen(checkpoint)
+    replaced by other values, the entry swapped for other weights) or of a Lightning ``checkpoint['state_dict']``,
+    which would change nothing: the weights were loaded before the hook ran. A ``state_dict`` entry the file holds
+    (written by an ``on_save_checkpoint`` for Lightning's tools) is no edit while the hook leaves it as it was."""
+    before = {key: _weights_seen(checkpoint, key) for key in ("model", "state_dict")}
     yield
-    after = _weights_seen(checkpoint)
-    if after[0] is before[0] and after[1] == before[1] and "state_dict" not in checkpoint:
+    changed = [key for key in before if not _same_weights(before[key], _weights_seen(checkpoint, key))]
+    if not changed:
         return
-    edited = "checkpoint['state_dict']" if "state_dict" in checkpoint else "checkpoint['model']"
+    edited = "checkpoint['state_dict']" if "state_dict" in changed else "checkpoint['model']"
     raise UserCodeError(
         f"on_load_checkpoint changed {edited}, which would change nothing: the model's weights were loaded from "
         "checkpoint['model'] before the hook ran (Lightning calls it before loading them). To adapt a checkpoint's "

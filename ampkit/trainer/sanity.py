@@ -12,7 +12,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.config import ConfigError
-from ampkit.trainer.distributed import DistributedEnv, gather_object, no_batch_under_fsdp
+from ampkit.trainer.distributed import DistributedEnv, broadcast_object, gather_object, no_batch_under_fsdp
 from ampkit.trainer.evaluation import average_metrics
 from ampkit.trainer.rng import capture_rng, restore_rng
 from ampkit.trainer.user_code import no_batches_message
@@ -197,6 +197,11 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
         for sched in spec.schedulers:
             if sched.monitor is not None and sched.strict and not is_training_metric(sched.monitor):
                 monitored[f"the scheduler of optimizer '{spec.name}'"] = sched.monitor
+    if any(metric.removeprefix("val/") not in metrics for metric in monitored.values()):
+        # rank zero's tags, which the run monitors (Trainer.monitored_validation_value): one logged there alone was
+        # refused on the other ranks only, which left rank zero training alone. Every rank's metrics have the same
+        # keys, so all of them take this collective or none.
+        logged = broadcast_object(sorted(logged), trainer.dist)
     total = trainer.num_val_batches
     for key, metric in monitored.items():
         if metric.removeprefix("val/") not in metrics and metric not in logged:

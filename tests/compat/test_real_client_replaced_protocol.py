@@ -602,3 +602,38 @@ def test_fp16_optimizer_unscales_through_a_scalers_own_unscale_which_agrees_the_
     per_backward = [([torch.float16] * 2, [torch.float32] * 2), ([torch.float32] * 2, [torch.float32] * 2)]
     assert [(m, o) for m, o, _ in seen] == per_backward * 6
     assert [s for _, _, s in seen] == [2.0**16] * 8 + [2.0**15] * 4
+
+
+def test_fp16_optimizer_whose_scalers_unscale_raises_keeps_the_gradients_of_the_backwards_before(shim):
+    """Where the scaler's own unscale raised (its all-reduce with a rank gone), the float32 params kept the
+    backward's gradients at the loss scale, the earlier backward's lost: the backward is dropped instead, every
+    gradient as the earlier backward left it, and the next one unscales as before."""
+    from apex.amp.scaler import LossScaler
+    from apex.fp16_utils import FP16_Optimizer
+
+    class AgreeingScaler(LossScaler):
+        fail = False
+
+        def unscale(self, *args, **kwargs):
+            if self.fail:
+                raise RuntimeError("all-reduce: a rank is gone")
+            super().unscale(*args, **kwargs)
+
+    model = _mlp()
+    model[0].half()
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    scaler = optimizer.loss_scaler = AgreeingScaler("dynamic")
+
+    def backward(i: int) -> None:
+        optimizer.backward(F.mse_loss(model[2](model[1](model[0](_batch(i).half())).float()), torch.zeros(8, 2)))
+
+    backward(0)
+    before = [p.grad.clone() for g in optimizer.param_groups for p in g["params"]]
+    scaler.fail = True
+    with pytest.raises(RuntimeError, match="a rank is gone"):
+        backward(1)
+    after = [p.grad for g in optimizer.param_groups for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    scaler.fail = False
+    backward(1)
+    assert all(torch.isfinite(p.grad).all() for g in optimizer.param_groups for p in g["params"])

@@ -193,6 +193,53 @@ def test_colossalai_gpt_benchmark_scaler_agrees_the_overflow_in_its_own_unscale(
         assert seen == [("unscale", single * 3, single * 3), ("stashed", single * 3, single * 3)] * 3
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_scripts_unscale_that_raises_leaves_no_gradient_at_the_loss_scale(shim, level):
+    """The benchmark's scaler all-reduces in its unscale; where that raised (a rank gone), the backward's gradients
+    were left in ``.grad`` at the loss scale and the earlier backward's lost (O1), or a new master's gradient left
+    unwritten (O2): a caller that caught the error and stepped trained on them. The backward is dropped instead, as
+    amp's own route drops one it cannot unscale, and the next ``scale_loss`` unscales as before."""
+    import apex.amp as amp
+    from apex.amp.scaler import LossScaler
+
+    class GradScaler(LossScaler):
+        fail = False
+
+        def unscale(self, *args, **kwargs):
+            if self.fail:
+                raise RuntimeError("all-reduce: a rank is gone")
+            super().unscale(*args, **kwargs)
+
+        def unscale_with_stashed(self, *args, **kwargs):
+            if self.fail:
+                raise RuntimeError("all-reduce: a rank is gone")
+            super().unscale_with_stashed(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    model, optimizer = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=f"O{level}", verbosity=0
+    )
+    scaler = amp._amp_state.loss_scalers[0] = GradScaler("dynamic", init_scale=128.0)
+    x = torch.randn(8, 4)
+
+    def backward() -> None:
+        with amp.scale_loss(model(x).float().mean(), optimizer) as scaled_loss:
+            scaled_loss.backward()
+
+    if level == 1:
+        backward()  # accumulated onto: O1's gradients are the params' own, stashed before the next backward
+    before = [None if p.grad is None else p.grad.clone() for p in amp.master_params(optimizer)]
+    scaler.fail = True
+    with pytest.raises(RuntimeError, match="a rank is gone"):
+        backward()
+    after = [p.grad for p in amp.master_params(optimizer)]
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    scaler.fail = False
+    backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in amp.master_params(optimizer))
+
+
 def test_a_scaler_with_its_own_unscale_under_combine_grad_is_refused_naming_it(shim):
     """combine_grad's flat buffers are unscaled by amp's own only: a scaler whose unscale is the script's would be
     passed over there, so ``scale_loss`` refuses, names it, and gives the gradients from before the backward back."""

@@ -339,7 +339,9 @@ class AmpOptimizerStash:
         (for a script's subclass or patch of them: ColossalAI's benchmark all-reduces the overflow flag there, across
         its model-parallel ranks): new gradients of parameters with a float32 master, then those that are their own
         masters (the low-precision ones first, as Apex's O1 went by type), each first onto nothing stashed, then onto
-        the stash. The verdict is left in the scaler."""
+        the stash. The verdict is left in the scaler. Where a method raises, the backward is dropped as amp's own
+        route drops one it cannot unscale: no ``.grad`` is left at the loss scale, nor a new master's unwritten (a
+        master's earlier gradient that the script's ``unscale_with_stashed`` already added to stays so)."""
         if self.combine_grad:  # known before the backward's gradients are touched: scale_loss gives them back
             raise RuntimeError(
                 f"{type(scaler).__name__}.unscale or unscale_with_stashed is the script's own, but with "
@@ -355,6 +357,7 @@ class AmpOptimizerStash:
         lists: dict[tuple[bool, bool], tuple[list[torch.Tensor], ...]] = {
             kind: ([], [], [], [], []) for kind in ((False, False), (True, False), (True, True))
         }
+        undo: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (a tensor, its .grad had the backward not been)
         for param, owner, stashed in zip(combiner.params, combiner.grad_owners, stashes, strict=True):
             grad = param.grad
             if grad is None:
@@ -362,23 +365,31 @@ class AmpOptimizerStash:
                     param.grad = stashed
                 continue
             own = owner is param
+            undo.append((param, stashed))
             new_in, new_out, with_in, with_stash, with_out = lists[own, own and param.dtype == torch.float32]
             before = stashed if own else owner.grad
             if before is None:
                 out = grad if own else torch.empty_like(owner)
                 if not own:
                     owner.grad = out
+                    undo.append((owner, None))
                 new_in.append(grad)
                 new_out.append(out)
             else:
                 with_in.append(grad)
                 with_stash.append(before)
                 with_out.append(grad if own else before)
-        for (own, _), (new_in, new_out, with_in, with_stash, with_out) in lists.items():
-            if new_in:
-                scaler.unscale(new_in, new_out, scaler.loss_scale(), models_are_masters=own)
-            if with_in:
-                scaler.unscale_with_stashed(with_in, with_stash, with_out)
+        try:
+            for (own, _), (new_in, new_out, with_in, with_stash, with_out) in lists.items():
+                if new_in:
+                    scaler.unscale(new_in, new_out, scaler.loss_scale(), models_are_masters=own)
+                if with_in:
+                    scaler.unscale_with_stashed(with_in, with_stash, with_out)
+        except BaseException:
+            for tensor, grad in undo:  # take_stash ended what scale_loss's guard would have dropped
+                tensor.grad = grad
+            self._kept_model_grads = []
+            raise
         self._settle_kept_model_grads()
 
     def drop_backward(self) -> None:

@@ -294,6 +294,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         combiner = self._combiner
         lists: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {False: ([], []), True: ([], [])}
         sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a gradient, what to add to it once unscaled)
+        undo: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (a float32 param or new master, its .grad before)
         for param, owner, stashed in zip(combiner.params, combiner.grad_owners, combiner.take_stash(), strict=True):
             grad = param.grad
             own = owner is param
@@ -303,19 +304,28 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
                 continue
             if own:  # unscaled in place, then what was stashed before the backward added
                 out = grad
+                undo.append((param, stashed))
                 if stashed is not None:
                     sums.append((grad, stashed))
             elif owner.grad is None:
                 out = owner.grad = torch.empty_like(owner)
+                undo.append((owner, None))
             else:  # the master's gradient from an earlier backward of this iteration
                 out = torch.empty_like(owner)
                 sums.append((owner.grad, out))
             lists[own][0].append(grad)
             lists[own][1].append(out)
-        for own in (False, True):  # Apex's order: the fp16 params onto their masters, then the float32 params
-            model_grads, master_grads = lists[own]
-            if model_grads:
-                scaler.unscale(model_grads, master_grads, scaler.loss_scale())
+        try:
+            for own in (False, True):  # Apex's order: the fp16 params onto their masters, then the float32 params
+                model_grads, master_grads = lists[own]
+                if model_grads:
+                    scaler.unscale(model_grads, master_grads, scaler.loss_scale())
+        except BaseException:
+            # the backward dropped, as the combiner drops one (take_stash ended it): no float32 gradient left at the
+            # loss scale, nor a new master's unwritten; a master's earlier gradient is untouched until the sums
+            for tensor, before in undo:
+                tensor.grad = before
+            raise
         for total, part in sums:
             total.add_(part)
         if scaler.dynamic and not self._grads_overflowed:  # where the script's unscale left its verdict
