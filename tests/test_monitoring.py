@@ -418,6 +418,37 @@ def test_a_tag_a_callback_logs_in_on_validation_end_is_monitored_and_the_sanity_
     assert trainer.state.global_step == 6
 
 
+class _LogsAucOutsideSanity(Callback):
+    """Lightning's idiom: ``if trainer.sanity_checking: return`` before logging a whole-set metric."""
+
+    def on_validation_end(self, trainer, metrics):
+        if trainer.state.stage == "sanity":
+            return
+        trainer.log("val_auc", Scripted.scores[trainer.state.global_step - 1])
+
+
+def test_a_hook_that_skips_the_sanity_pass_is_told_how_to_train_with_its_monitor(tmp_path):
+    """A monitored tag logged only outside the sanity pass is refused before training (a misspelt one would fail a
+    whole epoch later), and the message says what to change rather than only to log it, which the hook does."""
+
+    Scripted.scores = [1, 2, 3, 3, 2, 2.5, 9]
+    code_given = [_LogsAucOutsideSanity(), EarlyStopping(monitor="val_auc", mode="max", patience=3)]
+    cfg = toy_cfg(tmp_path, **EVERY_STEP, **{"trainer.num_sanity_val_steps": 2})
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "state.stage == 'sanity', must log it there too; trainer.num_sanity_val_steps=0 skips this check"
+        ),
+    ):
+        Scripted(cfg, callbacks=code_given).fit()
+    cfg = toy_cfg(tmp_path / "again", **EVERY_STEP, **{"trainer.num_sanity_val_steps": 0})
+    trainer = Scripted(
+        cfg, callbacks=[_LogsAucOutsideSanity(), EarlyStopping(monitor="val_auc", mode="max", patience=3)]
+    )
+    trainer.fit()
+    assert trainer.state.global_step == 6  # the best (3) at step 3, three without a gain: the stop the hint promises
+
+
 class _SavesAndLogsAuc(_LogsAuc):
     """A checkpoint writer of the user's (it saves a file of its own) that also logs ``val_auc``."""
 

@@ -220,6 +220,8 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
                 + (f" and on_validation_end logs {', '.join(sorted(logged))}" if logged else "")
                 + f" (checked before training on {checked}, trainer.num_sanity_val_steps="
                 f"{t.num_sanity_val_steps}{later}); or log it in on_validation_end with self.log('{metric}', value)"
+                f" (an on_validation_end that returns early in the sanity pass, state.stage == 'sanity', must log it "
+                f"there too; trainer.num_sanity_val_steps=0 skips this check)"
                 + (_TRAINING_HINT if "." in key else "")
                 + (_COUNTER_HINT if metric in ("epoch", "step") else "")
             )
