@@ -519,3 +519,66 @@ def test_apex_ddps_delayed_allreduce_agrees_its_gradients_with_one_sync(nccl):
     assert agreed == [params[0]]
     assert traffic.syncs == ["tolist of a GPU tensor"]
     assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]
+
+
+class GradsOnGpu:
+    """A loss whose backward leaves ``grads`` times the loss scale on ``params``, on the pretend GPU (autograd's
+    engine, which the pretend GPU does not reach, would leave CPU tensors): what a half model's backward leaves."""
+
+    def __init__(self, params: list[torch.Tensor], *grads: list[float]) -> None:
+        self.params, self.grads, self.scale = params, grads, 1.0
+
+    def float(self) -> GradsOnGpu:
+        return self
+
+    def __mul__(self, scale: float) -> GradsOnGpu:
+        self.scale = scale
+        return self
+
+    def backward(self, retain_graph: bool = False) -> None:
+        for param, values in zip(self.params, self.grads, strict=True):
+            param.grad = (torch.tensor(values).to("cuda", non_blocking=True) * self.scale).to(param.dtype)
+
+
+def _fp16_optimizer_on_the_gpu(scripts_unscale: bool):
+    """An ``FP16_Optimizer`` of three fp16 params on the pretend GPU, its dynamic scaler amp's or one whose ``unscale``
+    is a script's (a model-parallel script's shape: its verdict raised in its own ``_overflow_buf`` on the GPU, where
+    an all-reduce MAX over the ranks would take it, nothing read)."""
+    from ampkit.compat.amp.scaler import LossScaler
+    from ampkit.compat.fp16_utils import FP16_Optimizer
+
+    class UnscalesOnTheGpu(LossScaler):
+        def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False):
+            for grad, master in zip(model_grads, master_grads, strict=True):
+                master.copy_(grad.float() / unused_scale)
+                self._overflow_buf.masked_fill_(~torch.isfinite(grad).all(), 1)
+
+    params = [torch.zeros(2, dtype=torch.half, device="cuda").requires_grad_() for _ in range(3)]
+    optimizer = FP16_Optimizer(torch.optim.SGD(params, lr=1.0), dynamic_loss_scale=True, verbose=False)
+    if scripts_unscale:
+        optimizer.loss_scaler = UnscalesOnTheGpu("dynamic")
+        optimizer.loss_scaler._overflow_buf = torch.zeros(1, dtype=torch.int32, device="cuda")  # Apex's was on CUDA
+    return params, optimizer
+
+
+@pytest.mark.parametrize("scripts_unscale", [False, True], ids=["amps_unscale", "scripts_unscale"])
+def test_fp16_optimizer_reads_the_gpu_once_a_backward(scripts_unscale):
+    """Its verdict was read to the host after the unscale (``.item()`` of the overflow buffer a script's unscale left),
+    then read again by ``update_scale``, which decides the skip: two GPU syncs a backward. The unscale leaves it on the
+    device, as Apex's kernel did, and ``update_scale`` alone reads it, after the script's unscale as under Apex. amp's
+    own unscale left its buffer on the CPU, where a script's ``update_scale`` all-reducing it would hand NCCL a CPU
+    tensor."""
+    with CountsHostTraffic() as traffic:
+        params, optimizer = _fp16_optimizer_on_the_gpu(scripts_unscale)
+        optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]))  # amp's flag moves to the GPU once
+        assert optimizer.loss_scaler._overflow_buf.device == GPU
+        for step, (value, skipped) in enumerate([(0.25, False), (float("inf"), True), (0.25, False)]):
+            optimizer.zero_grad()
+            traffic.syncs.clear()
+            optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.125, 0.125], [value, 0.5]))
+            assert traffic.syncs == ["item of a GPU tensor"], step
+            assert optimizer.overflow is skipped
+            masters = [p.grad.cpu().tolist() for group in optimizer.param_groups for p in group["params"]]
+            assert skipped or masters == [[0.5, 0.5], [0.125, 0.125], [value, 0.5]]
+            optimizer.step()
+    assert optimizer.loss_scale == 2.0**15
