@@ -582,3 +582,20 @@ def test_fp16_optimizer_reads_the_gpu_once_a_backward(scripts_unscale):
             assert skipped or masters == [[0.5, 0.5], [0.125, 0.125], [value, 0.5]]
             optimizer.step()
     assert optimizer.loss_scale == 2.0**15
+
+
+def test_fp16_optimizer_rechecks_kept_gradients_after_an_overflow_in_one_read():
+    """A script that does not zero the gradients after a skipped step keeps their inf, which the next backward sees
+    again (as Apex re-checked the accumulated gradients): each kept gradient was read to the host, one GPU sync
+    apiece. They are checked on the device and read together, and ``update_scale`` need not read the verdict known."""
+    with CountsHostTraffic() as traffic:
+        params, optimizer = _fp16_optimizer_on_the_gpu(scripts_unscale=False)
+        optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]))
+        optimizer.zero_grad()
+        optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.5, 0.5], [0.5, float("nan")]))
+        assert optimizer.overflow
+        optimizer.step()
+        traffic.syncs.clear()
+        optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]))  # no zero_grad: the nan is kept
+        assert traffic.syncs == ["tolist of a GPU tensor"]  # the three checks together; update_scale reads none
+        assert optimizer.overflow and optimizer.loss_scale == 2.0**14
