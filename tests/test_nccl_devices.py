@@ -599,3 +599,27 @@ def test_fp16_optimizer_rechecks_kept_gradients_after_an_overflow_in_one_read():
         optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]))  # no zero_grad: the nan is kept
         assert traffic.syncs == ["tolist of a GPU tensor"]  # the three checks together; update_scale reads none
         assert optimizer.overflow and optimizer.loss_scale == 2.0**14
+
+
+def test_step_sync_broadcasts_buffers_of_two_devices_apart(nccl):
+    """grad_sync=step broadcasts rank zero's buffers before each forward, flattened together by dtype only: a model
+    whose buffers live on two devices (model parallel, parts offloaded to the CPU) had them put in one buffer (on a
+    real GPU, torch.cat refuses) and handed to one collective. One per device and dtype, each where its tensors are."""
+    from types import SimpleNamespace
+
+    nccl.default_backend = "cpu:gloo,cuda:nccl"  # CPU tensors through gloo, the GPU's through NCCL
+    model = torch.nn.Module()
+    model.register_buffer("offloaded", torch.tensor([1.0, 2.0]))
+    model.register_buffer("on_gpu", torch.tensor([3.0]).to("cuda", non_blocking=True))
+    model.register_buffer("count", torch.tensor([4]).to("cuda", non_blocking=True))
+    model.register_buffer("offloaded_too", torch.tensor([5.0]))
+    sync = DistributedSync(grad_sync="step")
+    sync.on_fit_start(SimpleNamespace(module=model))
+    with CountsHostTraffic() as traffic:
+        sync.on_train_batch_start(None, batch=None)
+    assert traffic.syncs == []
+    # the CPU's float32 buffers together, then the GPU's float32 one, then its int64 one
+    assert [devices for _, _, devices in nccl.calls] == [("cpu",), (str(GPU),), (str(GPU),)]
+    assert [(b.device, b.cpu().tolist()) for b in model.buffers()] == [
+        (torch.device("cpu"), [1.0, 2.0]), (GPU, [3.0]), (GPU, [4]), (torch.device("cpu"), [5.0])
+    ]  # fmt: skip
