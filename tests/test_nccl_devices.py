@@ -623,3 +623,27 @@ def test_step_sync_broadcasts_buffers_of_two_devices_apart(nccl):
     assert [(b.device, b.cpu().tolist()) for b in model.buffers()] == [
         (torch.device("cpu"), [1.0, 2.0]), (GPU, [3.0]), (GPU, [4]), (torch.device("cpu"), [5.0])
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["scale_", "axpby_", "unscale_l2norm", "combine_"])
+def test_the_multi_tensor_references_flag_inf_on_the_device_without_reading_each_tensor(op):
+    """The pure-PyTorch multi-tensor ops (what runs on a GPU whose kernels are not built) asked each tensor whether it
+    held inf/nan with ``bool``: a GPU sync per tensor, where the kernels raise the flag on the device. The flag is
+    raised there now, and the values are those of before."""
+    from ampkit.ops.reference import multi_tensor as reference
+
+    with CountsHostTraffic() as traffic:
+        xs = [torch.full((3,), 2.0, device="cuda"), torch.tensor([1.0, float("inf")], device="cuda")]
+        outs = [torch.zeros_like(x) for x in xs]
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        traffic.syncs.clear()
+        if op == "scale_":
+            reference.scale_(xs, outs, 0.5, flag)
+        elif op == "axpby_":
+            reference.axpby_(0.5, xs, 0.0, [torch.zeros_like(x) for x in xs], outs, flag)
+        elif op == "unscale_l2norm":
+            reference.unscale_l2norm(xs, outs, 0.5, flag, False)
+        else:
+            reference.combine_(xs, [None, None], outs, 0.5, flag)
+        assert traffic.syncs == []
+    assert flag.cpu().tolist() == [1] and outs[0].cpu().tolist() == [1.0, 1.0, 1.0]
