@@ -36,6 +36,10 @@ class OnGpu(torch.Tensor):
     def is_cuda(self) -> bool:
         return True
 
+    @property
+    def is_cpu(self) -> bool:
+        return False
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -623,6 +627,27 @@ def test_step_sync_broadcasts_buffers_of_two_devices_apart(nccl):
     assert [(b.device, b.cpu().tolist()) for b in model.buffers()] == [
         (torch.device("cpu"), [1.0, 2.0]), (GPU, [3.0]), (GPU, [4]), (torch.device("cpu"), [5.0])
     ]  # fmt: skip
+
+
+def test_apexs_first_fp16_optimizer_reads_every_groups_check_and_norm_in_one_transfer():
+    """Apex's first ``FP16_Optimizer`` (around its first ``FusedAdam``) checks each group's gradients for inf/nan and
+    hands the step each group's norm: a read of the flag, then of the norm, two GPU syncs a group a step. One now, the
+    norms handed over as host numbers, as Apex's were; a skip still reads only that one."""
+    from ampkit.compat.legacy_fused_adam import FP16_Optimizer, LegacyFusedAdam
+
+    with CountsHostTraffic() as traffic:
+        groups = [[torch.ones(3, dtype=torch.half, device="cuda").requires_grad_() for _ in range(2)],
+                  [torch.ones(2, dtype=torch.half, device="cuda").requires_grad_()]]  # fmt: skip
+        inner = LegacyFusedAdam([{"params": g} for g in groups], lr=0.1, max_grad_norm=1.0)
+        optimizer = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False)
+        for value, skipped in ((0.5, False), (float("inf"), True)):
+            for param in groups[0] + groups[1]:
+                param.grad = torch.full_like(param, value)
+            traffic.syncs.clear()
+            optimizer.step()
+            assert traffic.syncs == ["tolist of a GPU tensor"]
+            assert optimizer.cur_scale == (2**15 if skipped else 2**16)
+    assert [p.cpu().tolist() for p in groups[1]] == [[0.90380859375] * 2]  # stepped once: the skip left it
 
 
 @pytest.mark.parametrize("op", ["scale_", "axpby_", "unscale_l2norm", "combine_"])
