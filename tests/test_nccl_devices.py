@@ -36,6 +36,10 @@ class OnGpu(torch.Tensor):
     def is_cuda(self) -> bool:
         return True
 
+    @property
+    def is_cpu(self) -> bool:
+        return False
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -519,3 +523,152 @@ def test_apex_ddps_delayed_allreduce_agrees_its_gradients_with_one_sync(nccl):
     assert agreed == [params[0]]
     assert traffic.syncs == ["tolist of a GPU tensor"]
     assert nccl.calls == [("all_reduce", "nccl", (str(GPU),))]
+
+
+class GradsOnGpu:
+    """A loss whose backward leaves ``grads`` times the loss scale on ``params``, on the pretend GPU (autograd's
+    engine, which the pretend GPU does not reach, would leave CPU tensors): what a half model's backward leaves."""
+
+    def __init__(self, params: list[torch.Tensor], *grads: list[float]) -> None:
+        self.params, self.grads, self.scale = params, grads, 1.0
+
+    def float(self) -> GradsOnGpu:
+        return self
+
+    def __mul__(self, scale: float) -> GradsOnGpu:
+        self.scale = scale
+        return self
+
+    def backward(self, retain_graph: bool = False) -> None:
+        for param, values in zip(self.params, self.grads, strict=True):
+            param.grad = (torch.tensor(values).to("cuda", non_blocking=True) * self.scale).to(param.dtype)
+
+
+def _fp16_optimizer_on_the_gpu(scripts_unscale: bool):
+    """An ``FP16_Optimizer`` of three fp16 params on the pretend GPU, its dynamic scaler amp's or one whose ``unscale``
+    is a script's (a model-parallel script's shape: its verdict raised in its own ``_overflow_buf`` on the GPU, where
+    an all-reduce MAX over the ranks would take it, nothing read)."""
+    from ampkit.compat.amp.scaler import LossScaler
+    from ampkit.compat.fp16_utils import FP16_Optimizer
+
+    class UnscalesOnTheGpu(LossScaler):
+        def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False):
+            for grad, master in zip(model_grads, master_grads, strict=True):
+                master.copy_(grad.float() / unused_scale)
+                self._overflow_buf.masked_fill_(~torch.isfinite(grad).all(), 1)
+
+    params = [torch.zeros(2, dtype=torch.half, device="cuda").requires_grad_() for _ in range(3)]
+    optimizer = FP16_Optimizer(torch.optim.SGD(params, lr=1.0), dynamic_loss_scale=True, verbose=False)
+    if scripts_unscale:
+        optimizer.loss_scaler = UnscalesOnTheGpu("dynamic")
+        optimizer.loss_scaler._overflow_buf = torch.zeros(1, dtype=torch.int32, device="cuda")  # Apex's was on CUDA
+    return params, optimizer
+
+
+@pytest.mark.parametrize("scripts_unscale", [False, True], ids=["amps_unscale", "scripts_unscale"])
+def test_fp16_optimizer_reads_the_gpu_once_a_backward(scripts_unscale):
+    """Its verdict was read to the host after the unscale (``.item()`` of the overflow buffer a script's unscale left),
+    then read again by ``update_scale``, which decides the skip: two GPU syncs a backward. The unscale leaves it on the
+    device, as Apex's kernel did, and ``update_scale`` alone reads it, after the script's unscale as under Apex. amp's
+    own unscale left its buffer on the CPU, where a script's ``update_scale`` all-reducing it would hand NCCL a CPU
+    tensor."""
+    with CountsHostTraffic() as traffic:
+        params, optimizer = _fp16_optimizer_on_the_gpu(scripts_unscale)
+        optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]))  # amp's flag moves to the GPU once
+        assert optimizer.loss_scaler._overflow_buf.device == GPU
+        for step, (value, skipped) in enumerate([(0.25, False), (float("inf"), True), (0.25, False)]):
+            optimizer.zero_grad()
+            traffic.syncs.clear()
+            optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.125, 0.125], [value, 0.5]))
+            assert traffic.syncs == ["item of a GPU tensor"], step
+            assert optimizer.overflow is skipped
+            masters = [p.grad.cpu().tolist() for group in optimizer.param_groups for p in group["params"]]
+            assert skipped or masters == [[0.5, 0.5], [0.125, 0.125], [value, 0.5]]
+            optimizer.step()
+    assert optimizer.loss_scale == 2.0**15
+
+
+def test_fp16_optimizer_rechecks_kept_gradients_after_an_overflow_in_one_read():
+    """A script that does not zero the gradients after a skipped step keeps their inf, which the next backward sees
+    again (as Apex re-checked the accumulated gradients): each kept gradient was read to the host, one GPU sync
+    apiece. They are checked on the device and read together, and ``update_scale`` need not read the verdict known."""
+    with CountsHostTraffic() as traffic:
+        params, optimizer = _fp16_optimizer_on_the_gpu(scripts_unscale=False)
+        optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]))
+        optimizer.zero_grad()
+        optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.5, 0.5], [0.5, float("nan")]))
+        assert optimizer.overflow
+        optimizer.step()
+        traffic.syncs.clear()
+        optimizer.backward(GradsOnGpu(params, [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]))  # no zero_grad: the nan is kept
+        assert traffic.syncs == ["tolist of a GPU tensor"]  # the three checks together; update_scale reads none
+        assert optimizer.overflow and optimizer.loss_scale == 2.0**14
+
+
+def test_step_sync_broadcasts_buffers_of_two_devices_apart(nccl):
+    """grad_sync=step broadcasts rank zero's buffers before each forward, flattened together by dtype only: a model
+    whose buffers live on two devices (model parallel, parts offloaded to the CPU) had them put in one buffer (on a
+    real GPU, torch.cat refuses) and handed to one collective. One per device and dtype, each where its tensors are."""
+    from types import SimpleNamespace
+
+    nccl.default_backend = "cpu:gloo,cuda:nccl"  # CPU tensors through gloo, the GPU's through NCCL
+    model = torch.nn.Module()
+    model.register_buffer("offloaded", torch.tensor([1.0, 2.0]))
+    model.register_buffer("on_gpu", torch.tensor([3.0]).to("cuda", non_blocking=True))
+    model.register_buffer("count", torch.tensor([4]).to("cuda", non_blocking=True))
+    model.register_buffer("offloaded_too", torch.tensor([5.0]))
+    sync = DistributedSync(grad_sync="step")
+    sync.on_fit_start(SimpleNamespace(module=model))
+    with CountsHostTraffic() as traffic:
+        sync.on_train_batch_start(None, batch=None)
+    assert traffic.syncs == []
+    # the CPU's float32 buffers together, then the GPU's float32 one, then its int64 one
+    assert [devices for _, _, devices in nccl.calls] == [("cpu",), (str(GPU),), (str(GPU),)]
+    assert [(b.device, b.cpu().tolist()) for b in model.buffers()] == [
+        (torch.device("cpu"), [1.0, 2.0]), (GPU, [3.0]), (GPU, [4]), (torch.device("cpu"), [5.0])
+    ]  # fmt: skip
+
+
+def test_apexs_first_fp16_optimizer_reads_every_groups_check_and_norm_in_one_transfer():
+    """Apex's first ``FP16_Optimizer`` (around its first ``FusedAdam``) checks each group's gradients for inf/nan and
+    hands the step each group's norm: a read of the flag, then of the norm, two GPU syncs a group a step. One now, the
+    norms handed over as host numbers, as Apex's were; a skip still reads only that one."""
+    from ampkit.compat.legacy_fused_adam import FP16_Optimizer, LegacyFusedAdam
+
+    with CountsHostTraffic() as traffic:
+        groups = [[torch.ones(3, dtype=torch.half, device="cuda").requires_grad_() for _ in range(2)],
+                  [torch.ones(2, dtype=torch.half, device="cuda").requires_grad_()]]  # fmt: skip
+        inner = LegacyFusedAdam([{"params": g} for g in groups], lr=0.1, max_grad_norm=1.0)
+        optimizer = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False)
+        for value, skipped in ((0.5, False), (float("inf"), True)):
+            for param in groups[0] + groups[1]:
+                param.grad = torch.full_like(param, value)
+            traffic.syncs.clear()
+            optimizer.step()
+            assert traffic.syncs == ["tolist of a GPU tensor"]
+            assert optimizer.cur_scale == (2**15 if skipped else 2**16)
+    assert [p.cpu().tolist() for p in groups[1]] == [[0.90380859375] * 2]  # stepped once: the skip left it
+
+
+@pytest.mark.parametrize("op", ["scale_", "axpby_", "unscale_l2norm", "combine_"])
+def test_the_multi_tensor_references_flag_inf_on_the_device_without_reading_each_tensor(op):
+    """The pure-PyTorch multi-tensor ops (what runs on a GPU whose kernels are not built) asked each tensor whether it
+    held inf/nan with ``bool``: a GPU sync per tensor, where the kernels raise the flag on the device. The flag is
+    raised there now, and the values are those of before."""
+    from ampkit.ops.reference import multi_tensor as reference
+
+    with CountsHostTraffic() as traffic:
+        xs = [torch.full((3,), 2.0, device="cuda"), torch.tensor([1.0, float("inf")], device="cuda")]
+        outs = [torch.zeros_like(x) for x in xs]
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        traffic.syncs.clear()
+        if op == "scale_":
+            reference.scale_(xs, outs, 0.5, flag)
+        elif op == "axpby_":
+            reference.axpby_(0.5, xs, 0.0, [torch.zeros_like(x) for x in xs], outs, flag)
+        elif op == "unscale_l2norm":
+            reference.unscale_l2norm(xs, outs, 0.5, flag, False)
+        else:
+            reference.combine_(xs, [None, None], outs, 0.5, flag)
+        assert traffic.syncs == []
+    assert flag.cpu().tolist() == [1] and outs[0].cpu().tolist() == [1.0, 1.0, 1.0]

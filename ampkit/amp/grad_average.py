@@ -28,16 +28,28 @@ def average_grads(tensors: Sequence[torch.Tensor], world_size: int, all_reduce: 
     for index, t in enumerate(tensors):
         if id(t) in fillers:
             held[index] = 0.0
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in (*grads, held):
-        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-    for kind in by_kind.values():
-        flat = _flatten_dense_tensors(kind)
+
+    def average(flat: torch.Tensor) -> None:
         all_reduce(flat)
         flat.div_(world_size)
-        for grad, synced in zip(kind, _unflatten_dense_tensors(flat, kind), strict=True):
-            grad.copy_(synced)
+
+    through_flat_buffers_((*grads, held), average)
     if fillers:
         for t, reached in zip(tensors, held.tolist(), strict=True):
             if id(t) in fillers and reached > 0:
                 t.grad = fillers[id(t)]
+
+
+@torch.no_grad()
+def through_flat_buffers_(tensors: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], None]) -> None:
+    """Run the in-place ``fn(flat)`` (a collective) once per device and dtype over ``tensors`` flattened together, and
+    write the results back: a model on two devices (model parallel, or parts offloaded to the CPU) has tensors that
+    one buffer cannot hold, nor one collective take."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for group in groups.values():
+        flat = _flatten_dense_tensors(group)
+        fn(flat)
+        for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+            tensor.copy_(synced)

@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ampkit.amp.grad_average import average_grads
+from ampkit.amp.grad_average import average_grads, through_flat_buffers_
 from ampkit.amp.scaler import positive_option
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
@@ -180,18 +179,10 @@ class DistributedSync(Callback):
         """Rank 0's buffers on every rank (``grad_sync="step"``, which has no DDP to do it)."""
         self._flat_collective("broadcast of buffers", self._buffers, dist.broadcast, 0)
 
-    @torch.no_grad()
     def _flat_collective(self, what: str, tensors: list[torch.Tensor], fn, *args) -> None:
-        """Run the in-place collective ``fn(flat, *args)`` once per dtype over ``tensors`` flattened together, and
-        write the result back into each tensor."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors(group)
-            self._collective(what, fn, flat, *args)
-            for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                tensor.copy_(synced)
+        """Run the in-place collective ``fn(flat, *args)`` once per device and dtype over ``tensors`` flattened
+        together, and write the result back into each tensor."""
+        through_flat_buffers_(tensors, lambda flat: self._collective(what, fn, flat, *args))
 
     def explain_exception(self, trainer, exception: BaseException) -> str | None:
         text, rank = str(exception), trainer.global_rank

@@ -32,7 +32,7 @@ from ampkit.amp.scaler import float32_scale, interval_option, positive_option
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
 from ampkit.ops._switches import checked_switch
-from ampkit.ops.multi_tensor import unscale_l2norm
+from ampkit.ops.multi_tensor import read_scalars, unscale_l2norm
 from ampkit.ops.optimizers._base import (
     check_betas,
     check_group_at_step,
@@ -363,15 +363,20 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
         if closure is not None:
             raise RuntimeError("FP16_Optimizer.step does not take a closure (Apex's did not either)")
         grads = [[p.grad for p in group] for group in self.fp16_groups]
-        norms, overflow = [], False
+        group_norms: list[torch.Tensor | None] = []
+        flags: list[torch.Tensor] = []
         for group_grads in grads:
             present = [g for g in group_grads if g is not None]
             if not present:
-                norms.append(None)
+                group_norms.append(None)
                 continue
-            flag = torch.zeros(1, device=present[0].device)
-            norms.append(unscale_l2norm(present, 1.0, flag).total)
-            overflow |= bool(flag.item())
+            flags.append(torch.zeros(1, device=present[0].device))
+            group_norms.append(unscale_l2norm(present, 1.0, flags[-1]).total)
+        # every group's inf check and norm read in one transfer (a GPU sync each was two per group): the norms reach
+        # the step as host numbers, as Apex's did
+        values = read_scalars(*flags, *group_norms)
+        overflow = any(value != 0 for value in values[: len(flags)])
+        norms = values[len(flags) :]
         if not overflow:
             if self._legacy_step:
                 self.optimizer.step(grads=grads, output_params=self.fp16_groups, scale=self.cur_scale, grad_norms=norms)

@@ -33,6 +33,7 @@ from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp.scaler import ApexLossScaler, scripts_unscales
 from ampkit.compat.fp16_utils.fp16util import clip_grad_norm
 from ampkit.ops._switches import checked_switch
+from ampkit.ops.multi_tensor import read_scalars
 
 # Apex amp LossScaler's keyword arguments, the only keys dynamic_loss_args may hold.
 _LOSS_SCALER_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
@@ -133,8 +134,9 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         pairs = list(zip(self.master_weights.model_params, self.master_weights.master_params, strict=True))
         self._combiner = GradientCombiner([p for p, _ in pairs], [m for _, m in pairs], keep_param_grads=True)
         self._low_pairs = [(p, m) for p, m in pairs if m is not p]
-        # Whether a backward since the last zero_grad overflowed: its inf stays in the accumulated master grads,
-        # so (as Apex, which re-checked the accumulated fp16 grads) every later update_master_grads sees it again.
+        # Whether a backward since the last zero_grad overflowed (update_scale's verdict, a script's agreed across
+        # ranks included): its inf stays in the accumulated master grads, so (as Apex, which re-checked the
+        # accumulated fp16 grads) every later update_master_grads sees it again, with nothing to read.
         self._grads_overflowed = False
         self._stepped = False  # a step or a skip since the last backward: the next one restarts the master grads
         # Each model param's grad as the last update_master_grads left it (the tensor and its version), or None:
@@ -232,9 +234,10 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
                     kept.append(master.grad)
             else:
                 master.grad = grad.detach().to(master.dtype, copy=True).mul_(inv_scale)
-        # the overflow of the last iteration counts again only if its gradients were kept (Apex re-checked them)
+        # the overflow of the last iteration counts again only if its gradients were kept (Apex re-checked them):
+        # every kept gradient's check read in one transfer, not one GPU sync each
         if self._grads_overflowed:
-            self._grads_overflowed = bool(kept) and not all(bool(torch.isfinite(g).all()) for g in kept)
+            self._grads_overflowed = not all(read_scalars(*(torch.isfinite(g).all() for g in kept)))
         self._stepped = False
 
     @staticmethod
@@ -265,24 +268,26 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
     def update_master_grads(self) -> None:
         """Unscale the grads of the backward(s) since the last call into the fp32 master grads, then update the
         scale: ``overflow`` is True when a dynamic scaler saw inf/nan (this iteration) and backed off."""
-        self.loss_scaler.clear_overflow_state()
+        scaler = self.loss_scaler
+        scaler.clear_overflow_state()
         if self._combiner.pending:
-            if "unscale" in scripts_unscales(self.loss_scaler):
+            if "unscale" in scripts_unscales(scaler):
                 self._unscale_through_scaler()
-            else:
-                found_inf = self._combiner.combine(self.loss_scaler).found_inf
-                if self.loss_scaler.dynamic and not self._grads_overflowed:
-                    self._grads_overflowed = bool(found_inf.item())
+            else:  # the verdict left on the device, as Apex's unscale kernel left it: update_scale reads it once
+                scaler.flag_overflow(self._combiner.combine(scaler).found_inf)
             # a param no backward reached keeps the grad it had, as Apex left it (prepare_backward took it away)
             for (param, _), before in zip(self._low_pairs, self._grads_before, strict=True):
                 if param.grad is None and before is not None:
                     param.grad = before
             self._grads_before = [None] * len(self._low_pairs)
             self._left_grads = [None if p.grad is None else (p.grad, p.grad._version) for p, _ in self._low_pairs]
-        if self._grads_overflowed:  # where Apex's unscale kernel left it, for update_scale to read
-            self.loss_scaler._overflow_buf.fill_(1)
-        # through the attribute, as Apex decided it: a script's update_scale (the overflow agreed across ranks) decides
-        self.overflow = self.loss_scaler.update_scale()
+        if self._grads_overflowed:  # an earlier backward's inf is still in the gradients: known, nothing to read
+            scaler._overflow_buf.fill_(1)
+            scaler._has_overflow = True
+        # through the attribute, as Apex decided it: a script's update_scale (the overflow agreed across ranks) decides,
+        # reading the overflow buffer (one GPU sync a backward); its verdict is what the gradients now hold
+        self.overflow = scaler.update_scale()
+        self._grads_overflowed = bool(self.overflow)
 
     @torch.no_grad()
     def _unscale_through_scaler(self) -> None:
@@ -328,8 +333,6 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
             raise
         for total, part in sums:
             total.add_(part)
-        if scaler.dynamic and not self._grads_overflowed:  # where the script's unscale left its verdict
-            self._grads_overflowed = bool(scaler._has_overflow) or bool(scaler._overflow_buf.item())
 
     def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
         """The fp32 master grads per param group (``None`` for a param without one); ``None`` while ``overflow``."""

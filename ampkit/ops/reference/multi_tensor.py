@@ -135,13 +135,15 @@ def _check_flag(op: str, flag: torch.Tensor, device: torch.device) -> None:
         raise RuntimeError(f"{op}: `found_inf` is on {flag.device} but the tensors are on {device}")
 
 
-def _nonfinite(t: torch.Tensor) -> bool:
-    return bool((~torch.isfinite(t)).any())
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` holds inf/nan, as a bool on its device: not read back (on CUDA, a sync per tensor)."""
+    return (~torch.isfinite(t)).any()
 
 
-def _raise_flag(flag: torch.Tensor, seen: bool) -> None:
+def _raise_flag(flag: torch.Tensor, seen: list[torch.Tensor]) -> None:
+    """Set ``flag`` to 1 where any of the ``seen`` checks found inf/nan, on the device, as the kernels do."""
     if seen:
-        flag.fill_(1)
+        flag.masked_fill_(torch.stack(seen).any(), 1)
 
 
 @torch.no_grad()
@@ -157,11 +159,11 @@ def scale_(
     _check_list(op, outputs, "out", device, like=inputs)
     _check_writable_list(op, outputs, "out", inputs, "inputs")
     _check_separate(op, {"inputs": inputs}, {"out": outputs}, found_inf)
-    seen = False
+    seen: list[torch.Tensor] = []
     for x, out in zip(inputs, outputs, strict=True):
         acc = _acc_dtype(x.dtype, out.dtype)
         xa = x.to(acc)
-        seen |= _nonfinite(xa)
+        seen.append(_nonfinite(xa))
         out.copy_((xa * factor).reshape(out.shape))
     _raise_flag(found_inf, seen)
 
@@ -197,14 +199,14 @@ def axpby_(
     _check_writable_list(op, out, "out", x, "x")
     _check_writable_list(op, out, "out", y, "y")
     _check_separate(op, {"x": x, "y": y}, {"out": out}, found_inf)
-    seen = False
+    seen: list[torch.Tensor] = []
     for xi, yi, oi in zip(x, y, out, strict=True):
         acc = _acc_dtype(xi.dtype, oi.dtype)
         xa, ya = xi.to(acc), yi.to(acc)
         if arg_to_check in (-1, 0):
-            seen |= _nonfinite(xa)
+            seen.append(_nonfinite(xa))
         if arg_to_check in (-1, 1):
-            seen |= _nonfinite(ya)
+            seen.append(_nonfinite(ya))
         oi.copy_((a * xa + b * ya).reshape(oi.shape))
     _raise_flag(found_inf, seen)
 
@@ -241,11 +243,11 @@ def combine_(
             )
         _check_writable(op, out[i], "out", i, s, "stash")
     _check_separate(op, {"new": new, "stash": stash}, {"out": out}, found_inf)
-    seen = False
+    seen: list[torch.Tensor] = []
     for i, (ni, oi) in enumerate(zip(new, out, strict=True)):
         acc = _acc_dtype(ni.dtype, oi.dtype)
         na = ni.to(acc)
-        seen |= _nonfinite(na)
+        seen.append(_nonfinite(na))
         value = na * inv_scale
         if stash and stash[i] is not None:
             value = value + stash[i].to(acc).reshape(value.shape)
@@ -287,10 +289,10 @@ def unscale_l2norm(
 def _norms(inputs, outputs, factor, found_inf, per_tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = _acc_dtype(*(t.dtype for t in inputs))
     squares = []
-    seen = False
+    seen: list[torch.Tensor] = []
     for i, x in enumerate(inputs):
         xa = x.to(_acc_dtype(x.dtype))
-        seen |= _nonfinite(xa)
+        seen.append(_nonfinite(xa))
         value = xa * factor
         if outputs:
             outputs[i].copy_(value.reshape(outputs[i].shape))
