@@ -162,6 +162,13 @@ class Done:
         return True
 
 
+@pytest.fixture(autouse=True)
+def _references_only(monkeypatch):
+    """The pure-PyTorch ops, whatever was built: a pretend-GPU tensor's storage is on the CPU, and on a machine with
+    built CUDA kernels ampkit's dispatch (which goes by the device a tensor reports) would hand them CPU memory."""
+    monkeypatch.setenv("AMPKIT_OPS", "reference")
+
+
 @pytest.fixture
 def nccl(monkeypatch):
     """The pretend NCCL world, this process its rank 0 with ``cuda:0`` its GPU, and the pretend GPU's tensors."""
