@@ -177,5 +177,25 @@ class EarlyStopping(KeyedByMonitor):
             return
         self.best, self.wait = state["best"], state["wait"]
         self.stopped_epoch = state.get("stopped_epoch", 0)  # none in an older ampkit's checkpoint
-        self.stopping_reason = EarlyStoppingReason(state.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value))
-        self.stopping_reason_message = state.get("stopping_reason_message")  # as stopped_epoch
+        self.stopping_reason = _saved_reason(state.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value))
+        message = state.get("stopping_reason_message")  # as stopped_epoch
+        if message is not None and not isinstance(message, str):
+            raise ValueError(
+                f"the checkpoint's early stopping state holds stopping_reason_message={message!r}: expected a string "
+                "or None; the file is damaged or was not written by ampkit"
+            )
+        self.stopping_reason_message = message
+
+
+def _saved_reason(value: Any) -> EarlyStoppingReason:
+    """A checkpoint's ``stopping_reason`` (an :class:`EarlyStoppingReason`'s value) as the member; a ValueError naming
+    the value and the valid ones where a damaged or foreign file holds another."""
+    if isinstance(value, EarlyStoppingReason):
+        return value
+    if isinstance(value, str) and value in EarlyStoppingReason._value2member_map_:
+        return EarlyStoppingReason(value)
+    valid = ", ".join(repr(reason.value) for reason in EarlyStoppingReason)
+    raise ValueError(
+        f"the checkpoint's early stopping state holds stopping_reason={value!r}: expected one of {valid}; the file is "
+        "damaged or was not written by ampkit"
+    )
