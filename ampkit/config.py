@@ -31,7 +31,7 @@ from omegaconf.nodes import AnyNode, BooleanNode, EnumNode, FloatNode, PathNode
 from ampkit.config_explain import interpolation_problem, malformed_interpolation, wrong_type
 from ampkit.config_sources import remember_sources, sources_of
 from ampkit.lightning_settings import LIGHTNING_SETTINGS, LIGHTNING_ZERO
-from ampkit.wording import beyond_float, counted, integer_digits
+from ampkit.wording import beyond_float, counted, integer_digits, shown
 
 
 class ConfigError(ValueError):
@@ -419,7 +419,7 @@ def check_values(cfg: DictConfig) -> None:
         if key not in out_of_range and not ok(value):
             same = _FOREIGN_SPELLINGS.get(key, {}).get(str(value).strip().lower())
             problems.append(
-                f"config key '{key}': {value!r} is invalid; expected {valid}"
+                f"config key '{key}': {shown(value)} is invalid; expected {valid}"
                 + (f" ({value!r} is {same})" if same else "")
             )
     if not problems and (problem := _top_k_without_monitor(cfg)) is not None:

@@ -9,6 +9,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from ampkit.wording import shown as shown_value
+
 # OmegaConf's words for a value it cannot convert to the key's type, and what that type takes.
 _CONVERTED = (
     (re.compile(r"Value '.*' of type '\w+' could not be converted to Integer", re.DOTALL), "an integer"),
@@ -33,9 +35,10 @@ def wrong_type(message: str, value: Any, valid: str | None) -> str | None:
     elif isinstance(value, float):
         shown, what = repr(value), "a float, not an integer"
     elif isinstance(value, ListConfig | DictConfig):
-        shown, what = repr(OmegaConf.to_container(value)), "a list" if isinstance(value, ListConfig) else "a mapping"
+        shown = shown_value(OmegaConf.to_container(value))
+        what = "a list" if isinstance(value, ListConfig) else "a mapping"
     else:
-        shown, what = repr(value), f"not {wanted}"
+        shown, what = shown_value(value), f"not {wanted}"
     integral = isinstance(value, float) and value.is_integer() and abs(value) < 2**63 and wanted == "an integer"
     hint = f" (write {int(value)})" if integral else ""
     return f"{shown} is {what}; expected {valid or wanted}{hint}"
