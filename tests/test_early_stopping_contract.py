@@ -11,6 +11,7 @@ import re
 from typing import ClassVar
 
 import pytest
+import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback, ConfigError, Phase
@@ -313,3 +314,16 @@ def test_a_damaged_saved_stopping_reason_is_refused_naming_it_and_the_valid_ones
     loaded = EarlyStopping(monitor="val/loss")
     loaded.load_state_dict(older)
     assert loaded.stopping_reason is EarlyStoppingReason.NOT_STOPPED and loaded.stopping_reason_message is None
+
+
+def test_a_resume_whose_file_holds_a_damaged_stopping_reason_names_the_file_and_the_callback(tmp_path):
+    """The refusal of a damaged state named neither the checkpoint it came from nor whose state it was."""
+    settings = {**QUIET, "early_stopping.monitor": "val/mse"}
+    ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
+    checkpoint = load_checkpoint(last)
+    checkpoint["callbacks"]["EarlyStopping[val/mse]"]["stopping_reason"] = "bogus"
+    torch.save(checkpoint, last)
+    with pytest.raises(ValueError, match="stopping_reason='bogus'") as caught:
+        ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.max_epochs": 3})).fit(resume="last")
+    assert caught.value.__notes__ == [f"in checkpoint '{last}', the state of callback 'EarlyStopping[val/mse]'"]
