@@ -176,8 +176,9 @@ def refuse_protected(path: str | os.PathLike) -> None:
 
 def deletable(checkpoints: list[Path], warned: set[Path] | None = None) -> list[Path]:
     """``checkpoints`` less those ampkit keeps, each named in one warning (once per ``warned``, which records it):
-    write-protected ones (``chmod a-w``: the user keeps them), and files under a checkpoint's name that hold no
-    ampkit checkpoint (a user's own, copied or saved there). Pruning neither deletes nor counts them."""
+    write-protected ones (``chmod a-w``: the user keeps them), links (the user's, to files elsewhere), and files under
+    a checkpoint's name that hold no ampkit checkpoint (a user's own, copied or saved there). Pruning neither deletes
+    nor counts them."""
     warned = set() if warned is None else warned
     kept = {path: why for path in checkpoints if (why := _kept_because(path))}
     for path, (why, fix) in kept.items():
@@ -191,6 +192,11 @@ def deletable(checkpoints: list[Path], warned: set[Path] | None = None) -> list[
 
 def _kept_because(path: Path) -> tuple[str, str] | None:
     """Why pruning keeps ``path`` (see :func:`deletable`) and what lets it go, or None."""
+    if path.is_symlink():  # ampkit copies a checkpoint to its other names: a link there is the user's, to their files
+        return (
+            f"is a link (to '{os.readlink(path)}'), which ampkit never makes under a checkpoint's name",
+            "remove the link yourself if it should go; what it points to is never deleted through it",
+        )
     if write_protected(path):
         return "is write-protected (chmod a-w)", "make it writable again (chmod u+w) to let them delete it"
     if foreign_file(path):
