@@ -18,6 +18,7 @@ _CONVERTED = (
     (re.compile(r"Cannot convert '\w+' to string", re.DOTALL), "a string"),
     (re.compile(r"Value .* is not a valid input for <enum", re.DOTALL), "one of the key's values"),
 )
+_INCOMPATIBLE = re.compile(r"Value '.*' of type '\w+' is incompatible with type hint '(.+)'$", re.DOTALL)
 # The resolvers OmegaConf registers itself; a name outside them (and the ones a program adds) is a typo.
 OMEGACONF_RESOLVERS = ("oc.env", "oc.create", "oc.decode", "oc.deprecated", "oc.select", "oc.dict.keys",
                        "oc.dict.values")  # fmt: skip
@@ -28,6 +29,9 @@ def wrong_type(message: str, value: Any, valid: str | None) -> str | None:
     ``message`` about ``value``; ``valid``: what the key takes, where a rule or an enum words it. None for any other
     message."""
     wanted = next((wanted for pattern, wanted in _CONVERTED if pattern.match(message)), None)
+    hinted = _INCOMPATIBLE.match(message)
+    if hinted:  # a Union key's (int | float | None): OmegaConf's words hold the whole value, however long
+        wanted = f"of type {hinted.group(1)}"
     if wanted is None:
         return None
     if isinstance(value, bool):

@@ -477,3 +477,14 @@ def test_a_huge_config_value_is_named_by_its_start_and_length_not_repeated_whole
     with pytest.raises(ConfigError, match=said) as caught:
         check_values(build_config(Config, {"trainer_class": "toy_trainers:ToyTrainer", section: {name: value}}))
     assert len(str(caught.value)) < 400
+
+
+@pytest.mark.parametrize("key", ["trainer.device", "precision.loss_scale", "trainer.limit_train_batches"])
+def test_a_long_string_where_a_trainer_checks_the_key_is_named_by_its_start_and_length(tmp_path, key):
+    """The device's, the loss scale's and a union-typed key's refusals each repeated a 100 kB value whole."""
+    section, name = key.split(".")
+    cfg = toy_cfg(tmp_path)
+    cfg.setdefault(section, {})[name] = "x" * 100_000
+    with pytest.raises(ConfigError, match=rf"config key '{key}': 'x{{79}}\.\.\. \(100002 characters\)") as caught:
+        ToyTrainer(cfg)
+    assert len(str(caught.value)) < 400
