@@ -302,15 +302,18 @@ def test_stopping_reason_and_its_message_say_which_rule_stopped_the_run_as_light
 @pytest.mark.parametrize(
     ("key", "saved"),
     [("stopping_reason", "bogus"), ("stopping_reason", 3), ("stopping_reason", "PATIENCE_EXHAUSTED"),
-     ("stopping_reason", None), ("stopping_reason_message", 5)],
+     ("stopping_reason", None), ("stopping_reason_message", 5), ("wait", "3"), ("wait", -1), ("best", "0.5"),
+     ("stopped_epoch", 1.5)],
 )  # fmt: skip
 def test_a_damaged_saved_stopping_reason_is_refused_naming_it_and_the_valid_ones(key, saved):
     """A checkpoint's stopping_reason that is no EarlyStoppingReason's value failed deep in Enum's lookup, naming
-    neither the key nor what it takes; an older checkpoint without one still loads."""
+    neither the key nor what it takes, and a count or best value of another type was taken to fail at the next
+    validation's comparison; an older checkpoint without a stopping_reason still loads."""
     state = {**EarlyStopping(monitor="val/loss").state_dict(), key: saved}
-    with pytest.raises(ValueError, match=rf"{key}={re.escape(repr(saved))}: expected (one of 'not_stopped'|a string)"):
+    with pytest.raises(ValueError, match=rf"holds {key}={re.escape(repr(saved))}: expected "):
         EarlyStopping(monitor="val/loss").load_state_dict(state)
-    older = {k: v for k, v in state.items() if not k.startswith("stopping_reason")}
+    saved_before = EarlyStopping(monitor="val/loss").state_dict()
+    older = {k: v for k, v in saved_before.items() if not k.startswith("stopping_reason")}
     loaded = EarlyStopping(monitor="val/loss")
     loaded.load_state_dict(older)
     assert loaded.stopping_reason is EarlyStoppingReason.NOT_STOPPED and loaded.stopping_reason_message is None
