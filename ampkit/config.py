@@ -31,7 +31,7 @@ from omegaconf.nodes import AnyNode, BooleanNode, EnumNode, FloatNode, PathNode
 from ampkit.config_explain import interpolation_problem, malformed_interpolation, wrong_type
 from ampkit.config_sources import remember_sources, sources_of
 from ampkit.lightning_settings import LIGHTNING_SETTINGS, LIGHTNING_ZERO
-from ampkit.wording import beyond_float, counted, integer_digits
+from ampkit.wording import beyond_float, counted, integer_digits, shown
 
 
 class ConfigError(ValueError):
@@ -419,7 +419,7 @@ def check_values(cfg: DictConfig) -> None:
         if key not in out_of_range and not ok(value):
             same = _FOREIGN_SPELLINGS.get(key, {}).get(str(value).strip().lower())
             problems.append(
-                f"config key '{key}': {value!r} is invalid; expected {valid}"
+                f"config key '{key}': {shown(value)} is invalid; expected {valid}"
                 + (f" ({value!r} is {same})" if same else "")
             )
     if not problems and (problem := _top_k_without_monitor(cfg)) is not None:
@@ -700,7 +700,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
                 )
             if isinstance(child, BooleanNode) and not _reads_as_bool(value):
                 return ConfigError(
-                    f"config key '{prefix}{key}': {value!r} is not a boolean; expected true or false "
+                    f"config key '{prefix}{key}': {shown(value)} is not a boolean; expected true or false "
                     "(also yes/no, on/off, 1/0)"
                 )
             length = _tuple_length(child)
@@ -716,7 +716,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
                 if length is not None:  # a pair such as betas: its default shows the shape
                     example = ", ".join(str(item) for item in child)
                 return ConfigError(
-                    f"config key '{prefix}{key}': {value!r} is not a list; expected a list, e.g. "
+                    f"config key '{prefix}{key}': {shown(value)} is not a list; expected a list, e.g. "
                     f"{prefix}{key}=[{example}] (a YAML list in a file)"
                 )
             if not isinstance(child, DictConfig):
@@ -730,7 +730,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
             if value is not None and not isinstance(value, dict):
                 keys = keys or f"a mapping of its own keys, e.g. {prefix}{key}={{name: value}}"  # a dict-typed field
                 return ConfigError(
-                    f"config key '{prefix}{key}' is a section, not a value ({value!r}); set its keys instead "
+                    f"config key '{prefix}{key}' is a section, not a value ({shown(value)}); set its keys instead "
                     f"({prefix}{key}.<key>=...): {keys}"
                 )
             found = find(child, value, f"{prefix}{key}.")

@@ -9,6 +9,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from ampkit.wording import shown as shown_value
+
 # OmegaConf's words for a value it cannot convert to the key's type, and what that type takes.
 _CONVERTED = (
     (re.compile(r"Value '.*' of type '\w+' could not be converted to Integer", re.DOTALL), "an integer"),
@@ -16,6 +18,7 @@ _CONVERTED = (
     (re.compile(r"Cannot convert '\w+' to string", re.DOTALL), "a string"),
     (re.compile(r"Value .* is not a valid input for <enum", re.DOTALL), "one of the key's values"),
 )
+_INCOMPATIBLE = re.compile(r"Value '.*' of type '\w+' is incompatible with type hint '(.+)'$", re.DOTALL)
 # The resolvers OmegaConf registers itself; a name outside them (and the ones a program adds) is a typo.
 OMEGACONF_RESOLVERS = ("oc.env", "oc.create", "oc.decode", "oc.deprecated", "oc.select", "oc.dict.keys",
                        "oc.dict.values")  # fmt: skip
@@ -26,6 +29,9 @@ def wrong_type(message: str, value: Any, valid: str | None) -> str | None:
     ``message`` about ``value``; ``valid``: what the key takes, where a rule or an enum words it. None for any other
     message."""
     wanted = next((wanted for pattern, wanted in _CONVERTED if pattern.match(message)), None)
+    hinted = _INCOMPATIBLE.match(message)
+    if hinted:  # a Union key's (int | float | None): OmegaConf's words hold the whole value, however long
+        wanted = f"of type {hinted.group(1)}"
     if wanted is None:
         return None
     if isinstance(value, bool):
@@ -33,9 +39,10 @@ def wrong_type(message: str, value: Any, valid: str | None) -> str | None:
     elif isinstance(value, float):
         shown, what = repr(value), "a float, not an integer"
     elif isinstance(value, ListConfig | DictConfig):
-        shown, what = repr(OmegaConf.to_container(value)), "a list" if isinstance(value, ListConfig) else "a mapping"
+        shown = shown_value(OmegaConf.to_container(value))
+        what = "a list" if isinstance(value, ListConfig) else "a mapping"
     else:
-        shown, what = repr(value), f"not {wanted}"
+        shown, what = shown_value(value), f"not {wanted}"
     integral = isinstance(value, float) and value.is_integer() and abs(value) < 2**63 and wanted == "an integer"
     hint = f" (write {int(value)})" if integral else ""
     return f"{shown} is {what}; expected {valid or wanted}{hint}"

@@ -1,8 +1,10 @@
-"""How a message words a count: one helper for every module, so that no message says "1 batches"; and an integer
-no float holds, which ``float()`` refuses with a bare OverflowError naming neither the value nor the argument."""
+"""How a message words a count: one helper for every module, so that no message says "1 batches"; an integer
+no float holds, which ``float()`` refuses with a bare OverflowError naming neither the value nor the argument; and a
+value whose repr would fill the screen."""
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -25,4 +27,13 @@ def beyond_float(value: Any) -> bool:
 
 def integer_digits(value: int) -> str:
     """``"an integer of 401 digits"``: how a message shows an integer whose digits would fill the screen."""
-    return f"an integer of {len(str(abs(value)))} digits"
+    if abs(value).bit_length() < 14000:  # str() refuses over 4300 digits (sys.get_int_max_str_digits())
+        return f"an integer of {len(str(abs(value)))} digits"
+    return f"an integer of {math.floor(math.log10(abs(value))) + 1} digits"
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to its first ``limit`` characters and its length where longer: a message names a 100 kB
+    string pasted into a config key without repeating all of it."""
+    text = integer_digits(value) if beyond_float(value) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

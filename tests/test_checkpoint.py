@@ -294,9 +294,9 @@ def test_the_save_time_walk_calls_once_per_container_and_names_the_refused_entry
 
     walk, calls = checkpoint_io._refused_in, []
 
-    def counted(obj):
+    def counted(obj, around):
         calls.append(type(obj).__name__)
-        return walk(obj)
+        return walk(obj, around)
 
     monkeypatch.setattr(checkpoint_io, "_refused_in", counted)
     tensors = {f"layer{i}.weight": torch.zeros(2) for i in range(500)}
@@ -308,6 +308,31 @@ def test_the_save_time_walk_calls_once_per_container_and_names_the_refused_entry
     assert checkpoint_io.unloadable_entry(checkpoint) == "loop.scores.1.1 (numpy.float64)"
     assert checkpoint_io.unloadable_entry({"x": {np.int64(1): 0}}, "cb") == "cb.x.<key np.int64(1)> (numpy.int64)"
     assert checkpoint_io.unloadable_entry(np.float64(1.0)) == "<root> (numpy.float64)"
+
+
+def test_a_state_that_holds_itself_saves_and_one_nested_past_torch_save_is_named(tmp_path):
+    """An on_save_checkpoint entry that holds itself (pickle writes it once, the load rebuilds it) and one of lists
+    nested thousands deep (torch.save's pickler runs out of stack) both ended in a RecursionError from the check
+    before the save; the first saves and loads back, the second is refused naming where it is."""
+    from ampkit.trainer import checkpoint_io
+
+    itself: dict = {"step": 1}
+    itself["me"] = itself
+    assert checkpoint_io.unloadable_entry({"cb": itself}) is None
+    save_atomic({"cb": itself}, tmp_path / "loop.pt")
+    loaded = torch.load(tmp_path / "loop.pt", weights_only=True)["cb"]
+    assert loaded["me"] is loaded
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    found = checkpoint_io.unloadable_entry({"cb": {"deep": deep}})
+    assert found == (
+        "cb.deep.0.0.<94 more>.0.0 (containers nested over 100 deep: torch.save runs out of stack writing them)"
+    )
+    nested_50: dict = {}
+    for _ in range(50):
+        nested_50 = {"a": nested_50}
+    assert checkpoint_io.unloadable_entry({"config": nested_50}) is None
 
 
 def test_a_numpy_value_allowed_with_add_safe_globals_saves_and_resumes(tmp_path):

@@ -51,6 +51,11 @@ class AssignsStateDict(ToyTrainer):
         checkpoint["state_dict"] = dict(checkpoint["model"])
 
 
+class DeletesTheWeights(ToyTrainer):
+    def on_load_checkpoint(self, checkpoint):
+        del checkpoint["model"]  # to free the memory, or as a Lightning port dropped keys it would not load
+
+
 class ReadsTheRestoredRun(ToyTrainer):
     def on_load_checkpoint(self, checkpoint):
         self.resumed_at = (checkpoint["loop"]["epoch"], float(self.module[0].weight.detach().sum()))
@@ -64,6 +69,7 @@ class ReadsTheRestoredRun(ToyTrainer):
         (ReplacesAWeight, UserCodeError, "on_load_checkpoint changed checkpoint['model'], which would change "
                                          "nothing: the model's weights were loaded"),
         (AssignsStateDict, UserCodeError, "on_load_checkpoint changed checkpoint['state_dict']"),
+        (DeletesTheWeights, UserCodeError, "on_load_checkpoint removed checkpoint['model'], which would change"),
         (ReadsTheRestoredRun, None, None),
     ],
 )  # fmt: skip

@@ -14,7 +14,7 @@ import pytest
 from omegaconf import MISSING, OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit.config import Config, ConfigError, build_config, load_config
+from ampkit.config import Config, ConfigError, build_config, check_values, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -409,7 +409,7 @@ def test_a_bad_loss_scale_names_every_form_the_key_takes(tmp_path, value):
     ("key", "value", "said"),
     [
         ("precision.loss_scale", 10**400, "'precision.loss_scale': an integer of 401 digits: a static loss scale must"),
-        ("trainer.max_time", 10**400, "'trainer.max_time': 1000"),
+        ("trainer.max_time", 10**400, "'trainer.max_time': an integer of 401 digits is invalid; expected null"),
         ("trainer.max_time", {"hours": 10**400}, "'trainer.max_time': {'hours': 1000"),
         ("trainer.max_time", "1" + "0" * 400 + ":00:00", "'trainer.max_time': '1000"),
         ("trainer.max_steps", 10**400, "'trainer.max_steps': an integer of 401 digits is out of range; expected a 64"),
@@ -459,3 +459,32 @@ def test_a_required_key_left_unset_and_a_free_mapping_given_a_list_say_what_to_w
     with pytest.raises(ConfigError) as caught:
         _RequiredLrTrainer({"run_dir": str(tmp_path), "trainer": {"device": "cpu"}, "optim": optim})
     assert said in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("trainer.max_steps", "x" * 100_000, r"'x{79}\.\.\. \(100002 characters\) is not an integer; expected -1"),
+        ("precision.opt_level", "O" * 100_000, r"'O{79}\.\.\. \(100002 characters\) is invalid; expected one of O0"),
+        ("trainer.max_epochs", 10**5000, r"an integer of 5001 digits is out of range"),
+    ],
+    ids=["long-string", "long-enum-string", "5001-digits"],
+)
+def test_a_huge_config_value_is_named_by_its_start_and_length_not_repeated_whole(key, value, said):
+    """A 100 kB string pasted into a key came back whole in the error, and an integer past 4300 digits failed in
+    str() inside the message; each is named by its start and its size."""
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=said) as caught:
+        check_values(build_config(Config, {"trainer_class": "toy_trainers:ToyTrainer", section: {name: value}}))
+    assert len(str(caught.value)) < 400
+
+
+@pytest.mark.parametrize("key", ["trainer.device", "precision.loss_scale", "trainer.limit_train_batches"])
+def test_a_long_string_where_a_trainer_checks_the_key_is_named_by_its_start_and_length(tmp_path, key):
+    """The device's, the loss scale's and a union-typed key's refusals each repeated a 100 kB value whole."""
+    section, name = key.split(".")
+    cfg = toy_cfg(tmp_path)
+    cfg.setdefault(section, {})[name] = "x" * 100_000
+    with pytest.raises(ConfigError, match=rf"config key '{key}': 'x{{79}}\.\.\. \(100002 characters\)") as caught:
+        ToyTrainer(cfg)
+    assert len(str(caught.value)) < 400

@@ -11,6 +11,7 @@ import re
 from typing import ClassVar
 
 import pytest
+import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback, ConfigError, Phase
@@ -296,3 +297,36 @@ def test_stopping_reason_and_its_message_say_which_rule_stopped_the_run_as_light
         else:
             assert said in stopper.stopping_reason_message
     assert EarlyStopping("val/loss").stopping_reason is EarlyStoppingReason.NOT_STOPPED
+
+
+@pytest.mark.parametrize(
+    ("key", "saved"),
+    [("stopping_reason", "bogus"), ("stopping_reason", 3), ("stopping_reason", "PATIENCE_EXHAUSTED"),
+     ("stopping_reason", None), ("stopping_reason_message", 5), ("wait", "3"), ("wait", -1), ("best", "0.5"),
+     ("stopped_epoch", 1.5)],
+)  # fmt: skip
+def test_a_damaged_saved_stopping_reason_is_refused_naming_it_and_the_valid_ones(key, saved):
+    """A checkpoint's stopping_reason that is no EarlyStoppingReason's value failed deep in Enum's lookup, naming
+    neither the key nor what it takes, and a count or best value of another type was taken to fail at the next
+    validation's comparison; an older checkpoint without a stopping_reason still loads."""
+    state = {**EarlyStopping(monitor="val/loss").state_dict(), key: saved}
+    with pytest.raises(ValueError, match=rf"holds {key}={re.escape(repr(saved))}: expected "):
+        EarlyStopping(monitor="val/loss").load_state_dict(state)
+    saved_before = EarlyStopping(monitor="val/loss").state_dict()
+    older = {k: v for k, v in saved_before.items() if not k.startswith("stopping_reason")}
+    loaded = EarlyStopping(monitor="val/loss")
+    loaded.load_state_dict(older)
+    assert loaded.stopping_reason is EarlyStoppingReason.NOT_STOPPED and loaded.stopping_reason_message is None
+
+
+def test_a_resume_whose_file_holds_a_damaged_stopping_reason_names_the_file_and_the_callback(tmp_path):
+    """The refusal of a damaged state named neither the checkpoint it came from nor whose state it was."""
+    settings = {**QUIET, "early_stopping.monitor": "val/mse"}
+    ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
+    checkpoint = load_checkpoint(last)
+    checkpoint["callbacks"]["EarlyStopping[val/mse]"]["stopping_reason"] = "bogus"
+    torch.save(checkpoint, last)
+    with pytest.raises(ValueError, match="stopping_reason='bogus'") as caught:
+        ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.max_epochs": 3})).fit(resume="last")
+    assert caught.value.__notes__ == [f"in checkpoint '{last}', the state of callback 'EarlyStopping[val/mse]'"]

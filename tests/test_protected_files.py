@@ -531,6 +531,45 @@ def test_pruning_a_sharded_checkpoint_past_a_users_folder_at_its_temp_name_names
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my-notes", "step-00000004"]
 
 
+def test_pruning_never_deletes_through_a_users_link_at_a_checkpoints_name(tmp_path, monkeypatch):
+    """A sharded checkpoint pruned past keep_last was renamed to its temp name and emptied: where ``step-N`` was the
+    user's link to a checkpoint folder of theirs elsewhere, its files were deleted there, through the link. A link at a
+    checkpoint's name (ampkit copies, never links, there) is kept, named, and so is what it points to."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from ampkit.trainer.run_life import prune_periodic
+    from ampkit.trainer.sharded_checkpoint import prune_sharded, remove_sharded
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # as a Trainer sets it
+    checkpoints, elsewhere = tmp_path / "checkpoints", tmp_path / "my-checkpoints"
+    for folder, step in (
+        (elsewhere / "kept", 2),
+        (checkpoints / "step-00000004", 4),
+        (checkpoints / "step-00000006", 6),
+    ):
+        folder.mkdir(parents=True)
+        for part in (".metadata", "__0_0.distcp"):
+            (folder / part).write_bytes(b"a part")
+        save_atomic({"ampkit_checkpoint": 1, "loop": {"global_step": step, "epoch": 0}}, folder / "trainer.pt")
+    (checkpoints / "step-00000002").symlink_to(elsewhere / "kept")
+    theirs = sorted(p.name for p in (elsewhere / "kept").iterdir())
+    with pytest.warns(UserWarning, match=r"step-00000002' is a link \(to '.*my-checkpoints/kept'\), which ampkit"):
+        prune_sharded(checkpoints, keep_last=1)
+    assert sorted(p.name for p in (elsewhere / "kept").iterdir()) == theirs
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000006"]
+    remove_sharded(checkpoints / "step-00000002")  # a best-k drop's removal, called on the link itself
+    assert (checkpoints / "step-00000002").is_symlink()
+    assert sorted(p.name for p in (elsewhere / "kept").iterdir()) == theirs
+    files = tmp_path / "files"
+    files.mkdir()
+    save_atomic({"ampkit_checkpoint": 1, "loop": {"global_step": 4, "epoch": 0}}, files / "step-00000004.pt")
+    save_atomic({"ampkit_checkpoint": 1, "loop": {"global_step": 2, "epoch": 0}}, elsewhere / "step-2.pt")
+    (files / "step-00000002.pt").symlink_to(elsewhere / "step-2.pt")
+    with pytest.warns(UserWarning, match=r"step-00000002\.pt' is a link"):
+        prune_periodic(files, keep_last=1)
+    assert (files / "step-00000002.pt").is_symlink() and (elsewhere / "step-2.pt").is_file()
+
+
 def test_a_sharded_save_of_a_name_again_names_a_users_file_at_its_set_aside_name(tmp_path):
     """A checkpoint saved again under its name is set aside as ``.<name>.old`` first; a file of the user's there failed
     the save with a bare 'Not a directory' naming neither it nor what to do. It is kept, and named."""

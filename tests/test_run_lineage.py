@@ -172,6 +172,23 @@ def test_a_branch_whose_ranked_file_is_gone_keeps_its_value_and_names_it(tmp_pat
     assert not list((branch.version_dir / "checkpoints").glob("best*"))
 
 
+def test_a_branch_whose_ranked_name_holds_a_folder_of_the_users_keeps_it_and_says_what_it_may_be(tmp_path):
+    """A folder of the user's where a ranked file was is no checkpoint to copy: it stays as it was, the ranking keeps
+    the value, and the warning says the name holds something else, not only that the file is gone."""
+    settings = {**QUIET, "checkpoint.monitor": "val/score", "checkpoint.every_n_steps": 2, "checkpoint.keep_last": 9,
+                "trainer.val_every_n_steps": 2, "trainer.max_steps": 10, "trainer.max_epochs": 2}  # fmt: skip
+    straight = TiedScores(toy_cfg(tmp_path, **settings))
+    straight.fit()
+    ranked = straight.version_dir / "checkpoints" / "best-00000004.pt"
+    ranked.unlink()
+    ranked.mkdir()
+    (ranked / "notes.txt").write_text("mine")
+    branch = TiedScores(toy_cfg(tmp_path, **settings))
+    with pytest.warns(UserWarning, match=r"best-00000004\.pt, no longer in '.*' as that step's checkpoint \(deleted"):
+        branch.fit(resume=straight.version_dir / "checkpoints" / "step-00000006.pt")
+    assert list(branch.callbacks[-1].best_k) == ["best-00000004.pt"] and (ranked / "notes.txt").read_text() == "mine"
+
+
 def test_the_branch_is_named_in_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 
 from ampkit.ops._switches import is_switch
-from ampkit.wording import integer_digits
+from ampkit.wording import integer_digits, shown
 
 __all__ = ["OPT_LEVELS", "OptLevelProperties", "parse_dtype", "parse_loss_scale", "resolve_opt_level"]
 
@@ -85,7 +85,7 @@ def parse_dtype(value: Any, option: str = "dtype") -> torch.dtype:
         key = value.lower().removeprefix("torch.")
         if key in _DTYPE_NAMES:
             return _DTYPE_NAMES[key]
-    raise ValueError(f"{option}={value!r} is not a low-precision dtype; use float16 or bfloat16")
+    raise ValueError(f"{option}={shown(value)} is not a low-precision dtype; use float16 or bfloat16")
 
 
 def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
@@ -94,11 +94,11 @@ def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
         return "dynamic"
     if isinstance(value, str) and value.strip().lower() == "dynamic":  # Apex compares the exact word
         raise ValueError(
-            f"{option}={value!r}: expected 'dynamic' or a positive number "
+            f"{option}={shown(value)}: expected 'dynamic' or a positive number "
             "(written exactly 'dynamic': lowercase, no spaces)"
         )
     if isinstance(value, bool):
-        raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number")
+        raise ValueError(f"{option}={shown(value)}: expected 'dynamic' or a positive number")
     try:
         scale = float(value)
     except OverflowError:  # an int no float holds: float() named neither it nor the option
@@ -107,12 +107,12 @@ def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
             f"to {FLOAT32_SCALES[1]:.4g}"
         ) from None
     except (TypeError, ValueError):
-        raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number") from None
+        raise ValueError(f"{option}={shown(value)}: expected 'dynamic' or a positive number") from None
     if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{option}={value!r}: a static loss scale must be finite and > 0")
+        raise ValueError(f"{option}={shown(value)}: a static loss scale must be finite and > 0")
     if not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:  # finite for Python, not for the float32 it scales
         raise ValueError(
-            f"{option}={value!r}: a static loss scale must lie in float32's range of scales, 2**-126 to "
+            f"{option}={shown(value)}: a static loss scale must lie in float32's range of scales, 2**-126 to "
             f"{FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or its unscaling factor is (every step NaN)"
         )
     return scale

@@ -513,8 +513,9 @@ class ModelCheckpoint(KeyedByMonitor):
             raise _save_failed(writing, exc.strerror or str(exc), last, None, exc, trainer.rank_zero_last) from None
         if gone:
             rank_zero_warn(
-                f"the best-k ranking this branch continues names {', '.join(gone)}, no longer in '{source}': they stay "
-                "ranked by their values (so the branch keeps what that run would), without a copy in this run"
+                f"the best-k ranking this branch continues names {', '.join(gone)}, no longer in '{source}' as that "
+                "step's checkpoint (deleted, unreadable, or something else under its name now, which stays as it is): "
+                "they stay ranked by their values (so the branch keeps what that run would), without a copy in this run"
             )
 
     def _write(

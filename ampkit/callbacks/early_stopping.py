@@ -7,6 +7,7 @@ import numbers
 from enum import Enum
 from typing import Any
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
@@ -15,7 +16,7 @@ from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
-from ampkit.wording import beyond_float, counted, integer_digits
+from ampkit.wording import beyond_float, counted, integer_digits, shown
 
 
 class EarlyStoppingReason(Enum):
@@ -175,7 +176,36 @@ class EarlyStopping(KeyedByMonitor):
                 f"{state['best']} is not one of this metric, so patience counts afresh"
             )
             return
-        self.best, self.wait = state["best"], state["wait"]
-        self.stopped_epoch = state.get("stopped_epoch", 0)  # none in an older ampkit's checkpoint
-        self.stopping_reason = EarlyStoppingReason(state.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value))
-        self.stopping_reason_message = state.get("stopping_reason_message")  # as stopped_epoch
+        best, wait, stopped_epoch = state["best"], state["wait"], state.get("stopped_epoch", 0)  # none in an older one
+        if isinstance(best, torch.Tensor) and best.numel() == 1:  # as a metric logged as a tensor may have been
+            best = float(best)
+        if best is not None and (isinstance(best, bool) or not isinstance(best, numbers.Real)):
+            raise _damaged("best", best, "None or a number")
+        for key, count in (("wait", wait), ("stopped_epoch", stopped_epoch)):
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+                raise _damaged(key, count, "an integer >= 0")
+        self.best, self.wait, self.stopped_epoch = best, int(wait), int(stopped_epoch)
+        self.stopping_reason = _saved_reason(state.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value))
+        message = state.get("stopping_reason_message")  # as stopped_epoch
+        if message is not None and not isinstance(message, str):
+            raise _damaged("stopping_reason_message", message, "a string or None")
+        self.stopping_reason_message = message
+
+
+def _damaged(key: str, value: Any, valid: str) -> ValueError:
+    """The refusal of a checkpoint's early stopping entry ``key`` that holds ``value``, not ``valid``."""
+    return ValueError(
+        f"the checkpoint's early stopping state holds {key}={shown(value)}: expected {valid}; the file is damaged or "
+        "was not written by ampkit"
+    )
+
+
+def _saved_reason(value: Any) -> EarlyStoppingReason:
+    """A checkpoint's ``stopping_reason`` (an :class:`EarlyStoppingReason`'s value) as the member; a ValueError naming
+    the value and the valid ones where a damaged or foreign file holds another."""
+    if isinstance(value, EarlyStoppingReason):
+        return value
+    if isinstance(value, str) and value in EarlyStoppingReason._value2member_map_:
+        return EarlyStoppingReason(value)
+    valid = ", ".join(repr(reason.value) for reason in EarlyStoppingReason)
+    raise _damaged("stopping_reason", value, f"one of {valid}")

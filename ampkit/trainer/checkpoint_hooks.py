@@ -84,11 +84,12 @@ def weights_loaded_before(checkpoint: dict[str, Any]) -> Iterator[None]:
     changed = [key for key in before if not _same_weights(before[key], _weights_seen(checkpoint, key))]
     if not changed:
         return
-    edited = "checkpoint['state_dict']" if "state_dict" in changed else "checkpoint['model']"
+    key = "state_dict" if "state_dict" in changed else "model"
+    verb = "removed" if key not in checkpoint else "changed"  # del checkpoint['model'], checkpoint.clear()
     raise UserCodeError(
-        f"on_load_checkpoint changed {edited}, which would change nothing: the model's weights were loaded from "
-        "checkpoint['model'] before the hook ran (Lightning calls it before loading them). To adapt a checkpoint's "
-        "weights (rename an older model's keys), edit a copy of the file: ck = torch.load(path, weights_only=True), "
-        "change ck['model'], torch.save(ck, new_path), then resume from new_path; to change the model itself, do it "
-        "in the hook, on self.module"
+        f"on_load_checkpoint {verb} checkpoint['{key}'], which would change nothing: the model's weights were loaded "
+        "from checkpoint['model'] before the hook ran (Lightning calls it before loading them). To adapt a "
+        "checkpoint's weights (rename an older model's keys), edit a copy of the file: ck = torch.load(path, "
+        "weights_only=True), change ck['model'], torch.save(ck, new_path), then resume from new_path; to change the "
+        "model itself, do it in the hook, on self.module"
     )

@@ -176,8 +176,9 @@ def refuse_protected(path: str | os.PathLike) -> None:
 
 def deletable(checkpoints: list[Path], warned: set[Path] | None = None) -> list[Path]:
     """``checkpoints`` less those ampkit keeps, each named in one warning (once per ``warned``, which records it):
-    write-protected ones (``chmod a-w``: the user keeps them), and files under a checkpoint's name that hold no
-    ampkit checkpoint (a user's own, copied or saved there). Pruning neither deletes nor counts them."""
+    write-protected ones (``chmod a-w``: the user keeps them), links (the user's, to files elsewhere), and files under
+    a checkpoint's name that hold no ampkit checkpoint (a user's own, copied or saved there). Pruning neither deletes
+    nor counts them."""
     warned = set() if warned is None else warned
     kept = {path: why for path in checkpoints if (why := _kept_because(path))}
     for path, (why, fix) in kept.items():
@@ -191,6 +192,11 @@ def deletable(checkpoints: list[Path], warned: set[Path] | None = None) -> list[
 
 def _kept_because(path: Path) -> tuple[str, str] | None:
     """Why pruning keeps ``path`` (see :func:`deletable`) and what lets it go, or None."""
+    if path.is_symlink():  # ampkit copies a checkpoint to its other names: a link there is the user's, to their files
+        return (
+            f"is a link (to '{os.readlink(path)}'), which ampkit never makes under a checkpoint's name",
+            "remove the link yourself if it should go; what it points to is never deleted through it",
+        )
     if write_protected(path):
         return "is write-protected (chmod a-w)", "make it writable again (chmod u+w) to let them delete it"
     if foreign_file(path):
@@ -481,21 +487,31 @@ _CONTAINERS = frozenset({dict, list, tuple, set})
 def unloadable_entry(obj: Any, where: str = "") -> str | None:
     """The first entry of ``obj`` that ``torch.load(weights_only=True)`` would refuse to rebuild, as ``key.key
     (its type)``, or None when a checkpoint holding ``obj`` loads back."""
-    found = _refused_in(obj)
+    found = _refused_in(obj, set())
     if found is None:
         return None
     path, name = found
-    dotted = ".".join([where, *reversed(path)] if where else reversed(path))
-    return f"{dotted or '<root>'} ({name})"
+    keys = [where, *reversed(path)] if where else list(reversed(path))
+    if len(keys) > 8:  # a path as deep as MAX_NESTING: its start and end say where
+        keys = [*keys[:4], f"<{len(keys) - 6} more>", *keys[-2:]]
+    return f"{'.'.join(keys) or '<root>'} ({name})"
 
 
-def _refused_in(obj: Any) -> tuple[list[str], str] | None:
+# Containers nested deeper than this are refused: torch.save's pickler recurses once a level (and a level of the
+# checkpoint's own), so a few hundred levels end in a RecursionError halfway through the save.
+MAX_NESTING = 100
+
+
+def _refused_in(obj: Any, around: set[int]) -> tuple[list[str], str] | None:
     """``(keys from the refused entry up to obj, its type's name)``; None when all of ``obj`` loads back. Run over
     every entry of every save (tens of thousands of tensors in a large model's states), so a key's text is made only
-    for the entry found."""
+    for the entry found. ``around``: the ids of the containers ``obj`` is inside (pickle writes a container that holds
+    itself once, and the load rebuilds it so)."""
     kind = type(obj)
-    if isinstance(obj, torch.Tensor) or kind in _PLAIN_TYPES:
+    if isinstance(obj, torch.Tensor) or kind in _PLAIN_TYPES or id(obj) in around:
         return None
+    if len(around) >= MAX_NESTING:
+        return [], f"containers nested over {MAX_NESTING} deep: torch.save runs out of stack writing them"
     if kind not in _CONTAINERS:
         name = f"{kind.__module__}.{kind.__qualname__}"
         if name not in _torch_allowed_globals() and kind not in _user_safe_globals():
@@ -503,21 +519,22 @@ def _refused_in(obj: Any) -> tuple[list[str], str] | None:
             # and its dtype, a torch.layout): what the load itself does says.
             return None if _loads_back(obj) else ([], name)
     # Plain keys and values and tensors, nearly every entry, are passed over here rather than in a call each.
+    around = around | {id(obj)}
     if isinstance(obj, dict):
         for key, value in obj.items():
-            if type(key) not in _PLAIN_TYPES and (found := _refused_in(key)) is not None:
+            if type(key) not in _PLAIN_TYPES and (found := _refused_in(key, around)) is not None:
                 found[0].append(f"<key {key!r}>")
                 return found
             if isinstance(value, torch.Tensor) or type(value) in _PLAIN_TYPES:
                 continue
-            if (found := _refused_in(value)) is not None:
+            if (found := _refused_in(value, around)) is not None:
                 found[0].append(str(key))
                 return found
     elif isinstance(obj, list | tuple | set):
         for i, value in enumerate(obj):
             if isinstance(value, torch.Tensor) or type(value) in _PLAIN_TYPES:
                 continue
-            if (found := _refused_in(value)) is not None:
+            if (found := _refused_in(value, around)) is not None:
                 found[0].append(str(i))
                 return found
     return None

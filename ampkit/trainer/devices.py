@@ -9,6 +9,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.config import ConfigError
+from ampkit.wording import shown
 
 
 def resolve_device(
@@ -23,13 +24,13 @@ def resolve_device(
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not isinstance(name, str | torch.device):  # torch.device(5) is an accelerator's index, not a name
-        raise ConfigError(f"{where}: {name!r} is not a device; use auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"{where}: {shown(name)} is not a device; use auto, cpu, cuda or cuda:N")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"{where}: '{name}' is not a device; use auto, cpu, cuda or cuda:N") from None
+        raise ConfigError(f"{where}: {shown(str(name))} is not a device; use auto, cpu, cuda or cuda:N") from None
     if types is not None and device.type not in types:
-        raise ConfigError(f"{where}: '{name}' is not supported; use auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"{where}: {shown(str(name))} is not supported; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{where}: '{name}' requested but CUDA is not available; use auto or cpu")
     return device

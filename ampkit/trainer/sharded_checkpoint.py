@@ -489,6 +489,8 @@ def remove_sharded(path: Path, warned: set[Path] | None = None) -> None:
     results) is kept, back under ``path`` (a folder of the user's now, which no save replaces), and named in a
     warning. Where something of the user's stands at the temp name, ``path`` stays whole, and a warning (once per
     ``warned``, which records it) names what is in the way."""
+    if path.is_symlink():  # the user's link to a checkpoint elsewhere (deletable() keeps it, named): nothing goes
+        return
     doomed = path.with_name(f".{path.name}.tmp")
     if doomed.is_dir() and not doomed.is_symlink():  # an earlier removal cut short: a file of the user's there stays
         discard_checkpoint_dir(doomed, doomed)
@@ -513,6 +515,8 @@ def discard_checkpoint_dir(directory: Path, home: Path) -> bool:
     once nothing else is left. What the user put there is kept: the directory goes back to ``home``, its checkpoint's
     name, where nothing is now (else it stays as it is), and a warning names the files, once: a folder that holds
     nothing of ampkit's any more (told so before) is left without a word. Returns whether anything was removed."""
+    if directory.is_symlink():  # its files are the link target's, outside the checkpoints folder: never deleted
+        return False
     removed = False
     for part in directory.iterdir():
         if _is_checkpoint_part(part):

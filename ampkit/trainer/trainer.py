@@ -2324,7 +2324,7 @@ class Trainer:
         try:  # configure_callbacks() may read the model or the data, which a finished run does not build
             self._setup_callbacks()
             saved = self.fit_start.checkpoint or self.fit_start.trainer_part or {}
-            self._load_callback_states(saved.get("callbacks", {}))
+            self._load_callback_states(saved.get("callbacks", {}), path)
             for cb in self.callbacks:  # its ranked files are beside the checkpoint (no on_fit_start told it where)
                 if isinstance(cb, ModelCheckpoint):
                     cb.ranked_in(path.parent)
@@ -2551,11 +2551,16 @@ class Trainer:
         if path is not None and (said := resume_settings_warning(path, changed, kept)) is not None:
             rank_zero_warn(said)
 
-    def _load_callback_states(self, saved: dict[str, Any]) -> list[tuple[Callback, str]]:
-        """Each callback's state among ``saved`` loaded into it; returns ``(callback, key)`` of those loaded."""
+    def _load_callback_states(self, saved: dict[str, Any], path: Path) -> list[tuple[Callback, str]]:
+        """Each callback's state among ``saved`` (checkpoint ``path``'s) loaded into it; returns ``(callback, key)`` of
+        those loaded. A state it refuses (a damaged file) is noted with the file and the key it came from."""
         loaded = states_to_load(self.callbacks, saved)
         for cb, key in loaded:
-            cb.load_state_dict(saved[key])
+            try:
+                cb.load_state_dict(saved[key])
+            except (ValueError, TypeError, KeyError) as exc:
+                exc.add_note(f"in checkpoint '{path}', the state of callback '{key}'")
+                raise
         return loaded
 
     def _restore(self, checkpoint: dict[str, Any], path: Path) -> None:
@@ -2602,7 +2607,7 @@ class Trainer:
             opt_state.skipped_steps = counts.get("skipped_steps", 0)
             opt_state.epoch_steps = counts.get("epoch_steps", 0)
             opt_state.epoch_skipped_steps = counts.get("epoch_skipped_steps", 0)
-        loaded = self._load_callback_states(checkpoint["callbacks"])
+        loaded = self._load_callback_states(checkpoint["callbacks"], path)
         present = {key for _, key in loaded}.union(checkpoint.get("optional_callback_states", ()))
         orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
         by_config = [key for key in orphaned if key in checkpoint.get("config_callback_states", ())]

@@ -790,6 +790,17 @@ def test_a_loss_id_out_of_range_is_the_index_error_apex_raised_too(loss_id):
     assert isinstance(e.value, ValueError)
 
 
+@pytest.mark.parametrize("loss_id", [None, "0", 1.0])
+def test_a_loss_id_of_another_type_with_no_scaler_names_num_losses_zero_not_a_range(loss_id):
+    """With ``num_losses=0`` a loss_id of another type was told that loss ids are "the integers 0..-1"; no loss id
+    is valid there, and the error says why and what to pass."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=0, verbosity=0)
+    with pytest.raises(IndexError, match=r"num_losses=0, so there is no loss scaler to scale with: pass num_losses=1"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=loss_id):
+            pass
+
+
 def test_a_bool_loss_id_picks_the_scaler_it_indexed_in_apex():
     """Apex took ``_amp_state.loss_scalers[loss_id]``, so ``loss_id=is_discriminator`` used scaler 1 or 0."""
     model = _model()

@@ -89,6 +89,11 @@ def scale_loss(
         yield loss
         return
     scalers = _amp_state.loss_scalers
+    if not scalers:  # Apex's IndexError on its empty list, whatever the loss_id: there is no valid one to name
+        raise LossIdRangeError(
+            f"loss_id={loss_id!r}: amp.initialize was called with num_losses=0, so there is no loss scaler to scale "
+            "with: pass num_losses=1 or more to the initialize that takes the optimizers"
+        )
     # Apex indexed its list of scalers with loss_id: numpy's integers and bools (True: loss 1) index it as well
     if not isinstance(loss_id, numbers.Integral):
         raise TypeError(
@@ -96,11 +101,6 @@ def scale_loss(
             f"(amp.initialize was called with num_losses={len(scalers)})"
         )
     given, loss_id = loss_id, int(loss_id)
-    if not scalers:  # Apex's IndexError on its empty list
-        raise LossIdRangeError(
-            f"loss_id={given!r}: amp.initialize was called with num_losses=0, so there is no loss scaler to scale "
-            "with: pass num_losses=1 or more to the initialize that takes the optimizers"
-        )
     if not 0 <= loss_id < len(scalers):
         raise LossIdRangeError(  # named as written: loss_id=True read "loss_id=1", which the caller never wrote
             f"loss_id={given!r}"

@@ -381,9 +381,10 @@ _NONE_IS_FALSE = frozenset({"capturable"})
 def check_group_flag(name: str, key: str, value: Any) -> None:
     """:func:`check_flag` on the flag ``key`` (named ``name``), which may also be None where torch.optim takes None
     as False (``capturable``): a torch checkpoint of ``Adam(capturable=None)`` was refused at load."""
-    if value is None and key in _NONE_IS_FALSE:
-        return
-    check_flag(name, value)
+    if key not in _NONE_IS_FALSE:
+        check_flag(name, value)
+    elif value is not None and not is_switch(value):  # None is as valid as False here: the error says so
+        raise ArgumentTypeError(f"Invalid {name}: {value!r} is {type_of(value)} (expected True, False or None)")
 
 
 def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
