@@ -679,3 +679,26 @@ def test_the_multi_tensor_references_flag_inf_on_the_device_without_reading_each
             reference.combine_(xs, [None, None], outs, 0.5, flag)
         assert traffic.syncs == []
     assert flag.cpu().tolist() == [1] and outs[0].cpu().tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("raised", [0, 1, 2], ids=["clear", "raised", "raised_to_2"])
+@pytest.mark.parametrize("flag_dtype", [torch.int32, torch.float32])
+def test_amp_cs_sgd_hands_its_flag_to_the_step_on_the_device(raised, flag_dtype):
+    """``amp_C.multi_tensor_sgd`` read ``noop_flag`` with ``item()`` every call, a GPU sync a step where Apex's kernel
+    read it on the device. It hands the flag to the SGD step as its ``found_inf``, which the compiled kernels read where
+    they run; the one read left here is the pure-PyTorch reference's own (it reads ``found_inf`` on the host). Any
+    non-zero flag skips the step, the decay Apex adds after the momentum (``wd_after_momentum``) included."""
+    from ampkit.compat import amp_c
+
+    with CountsHostTraffic() as traffic:
+        weights = [torch.full((2,), 1.0, device="cuda"), torch.full((3,), 2.0, device="cuda")]
+        grads = [torch.full_like(w, 0.5) for w in weights]
+        moms = [torch.zeros_like(w) for w in weights]
+        flag = torch.full((1,), raised, dtype=flag_dtype, device="cuda")
+        traffic.syncs.clear()
+        amp_c.multi_tensor_sgd(2048, flag, [grads, weights, moms], 0.5, 0.9, 0.0, 0.1, False, True, True, 2.0)
+        assert traffic.syncs == ["__float__ of a GPU tensor"]  # the reference op's read of found_inf
+    # stepped: the buffer seeded with scale * g = 1, then w - lr * (buffer + wd * w)
+    expected = [1.0] * 2 + [2.0] * 3 if raised else [0.85] * 2 + [1.8] * 3
+    assert [v for w in weights for v in w.cpu().tolist()] == pytest.approx(expected)
+    assert [v for m in moms for v in m.cpu().tolist()] == [0.0 if raised else 1.0] * 5

@@ -30,7 +30,7 @@ from ampkit.compat._amp_c_lamb import (
 from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.missing_name import missing_name
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import decay_weights_
+from ampkit.ops.optimizers._base import ScalerTensors, decay_weights_
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers.sgd import sgd_step
 
@@ -60,6 +60,12 @@ TensorLists = Sequence[Sequence[Tensor]]
 def _flag_if_not_finite(norm: Tensor, noop_flag: Tensor) -> None:
     """Apex's norm kernels raise the flag when a partial sum of squares is inf/nan."""
     noop_flag.masked_fill_(~torch.isfinite(norm).all().to(noop_flag.device), 1)
+
+
+def _skip_flag_on(noop_flag: Tensor, device: torch.device) -> Tensor:
+    """``noop_flag`` as the float32 ``found_inf`` the optimizer kernels skip on (1.0 where it is not 0), on
+    ``device``, with no host read: the kernels read it where they run."""
+    return (noop_flag.reshape(()) != 0).float().to(device, non_blocking=True)
 
 
 def _norm_outputs(result: multi_tensor.L2Norm) -> tuple[Tensor, Tensor]:
@@ -457,11 +463,12 @@ def multi_tensor_sgd(
     if not isinstance(noop_flag, Tensor) or noop_flag.numel() != 1:
         got = list(noop_flag.shape) if isinstance(noop_flag, Tensor) else type(noop_flag).__name__
         raise TypeError(f"multi_tensor_sgd: noop_flag must be a one-element int32 or float32 tensor, got {got}")
-    if not lists[0] or bool(noop_flag.item()):
+    if not lists[0]:
         return
     grads, weights, buffers = lists[:3]
+    skip = _skip_flag_on(noop_flag, weights[0].device)  # Apex's kernel read the flag on the device: no host read
     if wd_after_momentum and wd != 0:  # w - lr * (u + wd * w) == (1 - lr * wd) * w - lr * u
-        decay_weights_(weights, 1.0 - lr * wd)
+        decay_weights_(weights, 1.0 - lr * wd, skip)
         wd = 0.0
     if len(lists) == 4:
         params, masters = lists[3], weights
@@ -479,6 +486,7 @@ def multi_tensor_sgd(
         nesterov=nesterov,
         first_step=first_run,
         grad_factor=scale,
+        scaler=ScalerTensors(found_inf=skip),
     )
 
 
