@@ -21,6 +21,7 @@ from torch import Tensor
 from ampkit.compat._amp_c_lamb import (
     check_lists,
     check_step,
+    flag_if_not_finite,
     multi_tensor_lamb,
     multi_tensor_lamb_mp,
     multi_tensor_lamb_stage1_cuda,
@@ -55,11 +56,6 @@ __all__ = [
 ]
 
 TensorLists = Sequence[Sequence[Tensor]]
-
-
-def _flag_if_not_finite(norm: Tensor, noop_flag: Tensor) -> None:
-    """Apex's norm kernels raise the flag when a partial sum of squares is inf/nan."""
-    noop_flag.masked_fill_(~torch.isfinite(norm).all().to(noop_flag.device), 1)
 
 
 def _skip_flag_on(noop_flag: Tensor, device: torch.device) -> Tensor:
@@ -138,7 +134,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorL
 
     def integer_op(xi: Tensor, oi: Tensor) -> None:
         wide = xi.double()
-        _flag_if_not_finite(wide, noop_flag)
+        flag_if_not_finite(wide, noop_flag)
         _write_rounded(oi, wide * float(scale))
 
     _with_integer_entries_apart(
@@ -168,7 +164,7 @@ def multi_tensor_axpby(
     def integer_op(xi: Tensor, yi: Tensor, oi: Tensor) -> None:
         wide_x, wide_y = xi.double(), yi.double()
         for checked in {-1: (wide_x, wide_y), 0: (wide_x,), 1: (wide_y,)}[arg_to_check]:
-            _flag_if_not_finite(checked, noop_flag)
+            flag_if_not_finite(checked, noop_flag)
         _write_rounded(oi, float(a) * wide_x + float(b) * wide_y)
 
     _with_integer_entries_apart([x, y, out], float_kernel, integer_op)
@@ -182,7 +178,7 @@ def multi_tensor_l2norm(
     (inputs,) = check_lists("multi_tensor_l2norm", tensor_lists, (1,))
     result = multi_tensor.l2norm(inputs, per_tensor=per_tensor is not None and per_tensor)
     total, per = _norm_outputs(result)
-    _flag_if_not_finite(total, noop_flag)
+    flag_if_not_finite(total, noop_flag)
     return total, per
 
 
@@ -202,7 +198,7 @@ def multi_tensor_l2norm_scale(
     inputs, outputs = check_lists("multi_tensor_l2norm_scale", tensor_lists, (2,))
     total, per = _norm_outputs(multi_tensor.l2norm(inputs, per_tensor=per_tensor is not None and per_tensor))
     multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
-    _flag_if_not_finite(total, noop_flag)
+    flag_if_not_finite(total, noop_flag)
     return total, per
 
 
@@ -218,7 +214,7 @@ def multi_tensor_unscale_l2norm(
     (inputs,) = check_lists("multi_tensor_unscale_l2norm", tensor_lists, (1,))
     result = multi_tensor.unscale_l2norm(inputs, inv_scale, noop_flag, per_tensor=per_tensor is not None and per_tensor)
     total, per = _norm_outputs(result)
-    _flag_if_not_finite(total, noop_flag)
+    flag_if_not_finite(total, noop_flag)
     return total, per
 
 
