@@ -774,3 +774,28 @@ def test_amp_cs_lamb_stages_read_their_norms_in_one_transfer():
         amp_c.multi_tensor_lamb_stage2_cuda(2048, flag, [params, updates], param_norms, update_norms, 0.1, 0.01, False)
         assert traffic.syncs == ["cpu of a GPU tensor"]
     assert all(u.abs().sum() > 0 for u in updates) and params[0].cpu().tolist() != [1.0, 1.0]
+
+
+@pytest.mark.parametrize("master", [False, True], ids=["capturable", "capturable_master"])
+def test_amp_cs_capturable_adam_reads_lr_and_step_in_one_transfer(master, monkeypatch):
+    """``amp_C.multi_tensor_adam_capturable(_master)`` read its ``lr`` and ``step`` tensors apart, two GPU syncs a call,
+    where Apex's kernel read both on the device. ampkit's Adam kernel takes them as numbers: one transfer for both
+    now, and the flag and the inverse scale go to the kernel on the device (the kernel is stood in for here: what the
+    pure-PyTorch reference reads of them is its own)."""
+    from ampkit.compat import amp_c
+
+    calls = []
+    monkeypatch.setattr(amp_c, "op", lambda name, device: lambda *args: calls.append(args))
+    with CountsHostTraffic() as traffic:
+        params = [torch.ones(2, device="cuda"), torch.ones(3, device="cuda")]
+        lists = [[torch.full_like(p, 0.5) for p in params], params] + [[torch.zeros_like(p) for p in params]] * 2
+        lists += [[p.half() for p in params]] if master else []
+        flag = torch.full((1,), 2, dtype=torch.int32, device="cuda")
+        lr, step, inv_scale = (torch.full((1,), v, device="cuda") for v in (0.1, 3.0, 0.5))
+        traffic.syncs.clear()
+        capturable = amp_c.multi_tensor_adam_capturable_master if master else amp_c.multi_tensor_adam_capturable
+        capturable(2048, flag, lists, lr, 0.9, 0.999, 1e-8, step, 1, 1, 0.01, inv_scale)
+        assert traffic.syncs == ["tolist of a GPU tensor"]
+    (args,) = calls
+    assert [s.cpu().item() for s in args[6]] == [2.0, 2.0] and args[7] == pytest.approx(0.1)
+    assert args[-2].cpu().item() == 2.0 and args[-1].cpu().item() == 1.0  # 1 / inv_scale; the raised flag as 1

@@ -31,7 +31,7 @@ from ampkit.compat._amp_c_lamb import (
 from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.missing_name import missing_name
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import ScalerTensors, decay_weights_
+from ampkit.ops.optimizers._base import ScalerTensors, decay_weights_, host_numbers
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers.sgd import sgd_step
 
@@ -289,6 +289,7 @@ def _adam_capturable(
     if not params:
         return
     device = params[0].device
+    lr, step = host_numbers([lr, step])  # ampkit's kernel takes them as numbers: one transfer for both
     op("adam_step", device)(
         params,
         grads,
@@ -306,8 +307,8 @@ def _adam_capturable(
         False,
         bias_correction,
         1.0,
-        inv_scale.reshape(()).float().reciprocal().to(device),
-        noop_flag.reshape(()).float().to(device),
+        inv_scale.reshape(()).float().reciprocal().to(device, non_blocking=True),
+        _skip_flag_on(noop_flag, device),
     )
 
 
