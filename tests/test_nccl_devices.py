@@ -679,3 +679,123 @@ def test_the_multi_tensor_references_flag_inf_on_the_device_without_reading_each
             reference.combine_(xs, [None, None], outs, 0.5, flag)
         assert traffic.syncs == []
     assert flag.cpu().tolist() == [1] and outs[0].cpu().tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("raised", [0, 1, 2], ids=["clear", "raised", "raised_to_2"])
+@pytest.mark.parametrize("flag_dtype", [torch.int32, torch.float32])
+def test_amp_cs_sgd_hands_its_flag_to_the_step_on_the_device(raised, flag_dtype):
+    """``amp_C.multi_tensor_sgd`` read ``noop_flag`` with ``item()`` every call, a GPU sync a step where Apex's kernel
+    read it on the device. It hands the flag to the SGD step as its ``found_inf``, which the compiled kernels read where
+    they run; the one read left here is the pure-PyTorch reference's own (it reads ``found_inf`` on the host). Any
+    non-zero flag skips the step, the decay Apex adds after the momentum (``wd_after_momentum``) included."""
+    from ampkit.compat import amp_c
+
+    with CountsHostTraffic() as traffic:
+        weights = [torch.full((2,), 1.0, device="cuda"), torch.full((3,), 2.0, device="cuda")]
+        grads = [torch.full_like(w, 0.5) for w in weights]
+        moms = [torch.zeros_like(w) for w in weights]
+        flag = torch.full((1,), raised, dtype=flag_dtype, device="cuda")
+        traffic.syncs.clear()
+        amp_c.multi_tensor_sgd(2048, flag, [grads, weights, moms], 0.5, 0.9, 0.0, 0.1, False, True, True, 2.0)
+        assert traffic.syncs == ["__float__ of a GPU tensor"]  # the reference op's read of found_inf
+    # stepped: the buffer seeded with scale * g = 1, then w - lr * (buffer + wd * w)
+    expected = [1.0] * 2 + [2.0] * 3 if raised else [0.85] * 2 + [1.8] * 3
+    assert [v for w in weights for v in w.cpu().tolist()] == pytest.approx(expected)
+    assert [v for m in moms for v in m.cpu().tolist()] == [0.0 if raised else 1.0] * 5
+
+
+def _lamb_lists_on_the_gpu(grad: float) -> list[list[torch.Tensor]]:
+    """``[grads, params, exp_avgs, exp_avg_sqs]`` of two tensors on the pretend GPU, the second grad ``grad``."""
+    params = [torch.full((2,), 1.0, device="cuda"), torch.full((3,), 2.0, device="cuda")]
+    grads = [torch.full_like(params[0], 0.5), torch.full_like(params[1], grad)]
+    return [grads, params, [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]]
+
+
+@pytest.mark.parametrize("grad", [0.25, float("inf")], ids=["finite", "inf"])
+def test_amp_cs_lamb_reads_the_gpu_once_before_its_direction_and_once_after(grad):
+    """``amp_C.multi_tensor_lamb`` asked with ``bool`` whether each of up to three norms was finite, then read the
+    global norm, then the param and direction norms one after the other: up to six GPU syncs a call, where Apex's
+    kernels read none. ampkit's LAMB kernels take the clipping factor and the trust ratios as host numbers, so two
+    reads remain: the global norm before stage 1, both per-tensor norms together after it. An inf/nan norm raises the
+    flag on the device, and the op goes on, as Apex's did."""
+    from ampkit.compat import amp_c
+
+    with CountsHostTraffic() as traffic:
+        lists = _lamb_lists_on_the_gpu(grad)
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        global_norm = torch.stack(torch._foreach_norm(lists[0])).norm()
+        traffic.syncs.clear()
+        amp_c.multi_tensor_lamb(2048, flag, lists, 0.1, 0.9, 0.999, 1e-6, 1, 1, 0.01, 1, 1, global_norm, 1.0, False)
+        assert traffic.syncs == ["__float__ of a GPU tensor", "cpu of a GPU tensor"]
+    assert flag.cpu().tolist() == [0 if grad < float("inf") else 1]
+
+
+@pytest.mark.parametrize("case", ["steps", "flag_raised", "inf_grad"])
+def test_amp_cs_mixed_precision_lamb_reads_the_gpu_at_most_twice(case):
+    """``amp_C.multi_tensor_lamb_mp`` (FusedMixedPrecisionLamb) read its flag, lr, step, scales, norms and finite checks
+    one at a time: up to ten GPU syncs a call. What the host needs before stage 1 comes in one transfer, the direction's
+    norms in one after it; a raised flag stops it after the first, changing nothing, and an inf direction raises the
+    flag on the device and leaves the params."""
+    from ampkit.compat import amp_c
+
+    with CountsHostTraffic() as traffic:
+        lists = _lamb_lists_on_the_gpu(float("inf") if case == "inf_grad" else 0.25)
+        before = [p.clone() for p in lists[1]]
+        flag = torch.full((1,), int(case == "flag_raised"), dtype=torch.int32, device="cuda")
+        lr, step, inv_scale = (torch.full((1,), v, device="cuda") for v in (0.1, 1.0, 0.5))
+        norm, max_norm = torch.ones(1, device="cuda"), torch.full((1,), 2.0, device="cuda")
+        traffic.syncs.clear()
+        amp_c.multi_tensor_lamb_mp(2048, flag, lists, lr, 0.9, 0.999, 1e-6, step, 1, 0.01, 1, 1, norm, max_norm, False,
+                                   torch.zeros(1, device="cuda"), inv_scale)  # fmt: skip
+        assert traffic.syncs == ["cpu of a GPU tensor"] * (1 if case == "flag_raised" else 2)
+    moved = [not torch.equal(p.cpu(), b.cpu()) for p, b in zip(lists[1], before, strict=True)]
+    assert moved == ([True, True] if case == "steps" else [False, False])
+    assert flag.cpu().tolist() == [0 if case == "steps" else 1]
+
+
+def test_amp_cs_lamb_stages_read_their_norms_in_one_transfer():
+    """NVIDIA's BERT pretraining drives the LAMB stages itself: stage 1 read its per-tensor decays, then the global
+    norm; stage 2 the param norms, then the direction's. One transfer each now."""
+    from ampkit.compat import amp_c
+
+    with CountsHostTraffic() as traffic:
+        grads, params, exp_avgs, exp_avg_sqs = _lamb_lists_on_the_gpu(0.25)
+        updates = [torch.zeros_like(p) for p in params]
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        decays, norm = torch.full((2,), 0.01, device="cuda"), torch.ones(1, device="cuda")
+        traffic.syncs.clear()
+        amp_c.multi_tensor_lamb_stage1_cuda(
+            2048, flag, [grads, params, exp_avgs, exp_avg_sqs, updates], decays, 0, 0.9, 0.999, 1e-6, norm, 1.0
+        )
+        assert traffic.syncs == ["cpu of a GPU tensor"]
+        param_norms = torch.stack(torch._foreach_norm(params))
+        update_norms = torch.stack(torch._foreach_norm(updates))
+        traffic.syncs.clear()
+        amp_c.multi_tensor_lamb_stage2_cuda(2048, flag, [params, updates], param_norms, update_norms, 0.1, 0.01, False)
+        assert traffic.syncs == ["cpu of a GPU tensor"]
+    assert all(u.abs().sum() > 0 for u in updates) and params[0].cpu().tolist() != [1.0, 1.0]
+
+
+@pytest.mark.parametrize("master", [False, True], ids=["capturable", "capturable_master"])
+def test_amp_cs_capturable_adam_reads_lr_and_step_in_one_transfer(master, monkeypatch):
+    """``amp_C.multi_tensor_adam_capturable(_master)`` read its ``lr`` and ``step`` tensors apart, two GPU syncs a call,
+    where Apex's kernel read both on the device. ampkit's Adam kernel takes them as numbers: one transfer for both
+    now, and the flag and the inverse scale go to the kernel on the device (the kernel is stood in for here: what the
+    pure-PyTorch reference reads of them is its own)."""
+    from ampkit.compat import amp_c
+
+    calls = []
+    monkeypatch.setattr(amp_c, "op", lambda name, device: lambda *args: calls.append(args))
+    with CountsHostTraffic() as traffic:
+        params = [torch.ones(2, device="cuda"), torch.ones(3, device="cuda")]
+        lists = [[torch.full_like(p, 0.5) for p in params], params] + [[torch.zeros_like(p) for p in params]] * 2
+        lists += [[p.half() for p in params]] if master else []
+        flag = torch.full((1,), 2, dtype=torch.int32, device="cuda")
+        lr, step, inv_scale = (torch.full((1,), v, device="cuda") for v in (0.1, 3.0, 0.5))
+        traffic.syncs.clear()
+        capturable = amp_c.multi_tensor_adam_capturable_master if master else amp_c.multi_tensor_adam_capturable
+        capturable(2048, flag, lists, lr, 0.9, 0.999, 1e-8, step, 1, 1, 0.01, inv_scale)
+        assert traffic.syncs == ["tolist of a GPU tensor"]
+    (args,) = calls
+    assert [s.cpu().item() for s in args[6]] == [2.0, 2.0] and args[7] == pytest.approx(0.1)
+    assert args[-2].cpu().item() == 2.0 and args[-1].cpu().item() == 1.0  # 1 / inv_scale; the raised flag as 1

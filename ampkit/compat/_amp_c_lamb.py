@@ -7,8 +7,11 @@ the separate stages NVIDIA's BERT pretraining drives itself, ``multi_tensor_lamb
 Apex's kernels took whatever dtypes their callers kept (fp16 moments beside fp16 params, an fp16 update
 buffer, fp16 grads of fp32 params); ampkit's want moments in float32 laid out like the parameter. Tensors
 that differ pass through float32 working copies written back after the op: the math is float32 either way,
-and the caller's tensor gets one rounding, as Apex's store gave it. Scalars passed as tensors (norms, lr,
-step, scales, the flag) are read on the host: one sync on CUDA.
+and the caller's tensor gets one rounding, as Apex's store gave it. ampkit's LAMB kernels take the clipping
+factor and the trust ratios as host numbers, where Apex's read them on the device: what they need is copied to
+the host together, once before stage 1 (the global norm; for ``multi_tensor_lamb_mp`` also the flag, lr, step,
+scales and parameter norms) and once after it (the direction's norms), two syncs a call on CUDA at most.
+An inf/nan norm raises the flag on the device where the op goes on regardless.
 """
 
 from __future__ import annotations
@@ -66,11 +69,39 @@ def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]
     return lists
 
 
-def scalar_arg(op_name: str, name: str, value: Tensor | float) -> float:
-    """A scalar Apex took as a number or a one-element tensor, read on the host."""
+def check_scalar(op_name: str, name: str, value: Tensor | float) -> None:
+    """A scalar Apex took as a number or a one-element tensor: refuse a tensor of another size."""
     if isinstance(value, Tensor) and value.numel() != 1:
         raise RuntimeError(f"{op_name}: {name} must be a number or a one-element tensor, got shape {list(value.shape)}")
+
+
+def scalar_arg(op_name: str, name: str, value: Tensor | float) -> float:
+    """A scalar Apex took as a number or a one-element tensor, read on the host."""
+    check_scalar(op_name, name, value)
     return float(value)
+
+
+def read_on_host(*values: Tensor | float) -> list[Tensor]:
+    """``values`` (numbers or tensors of any size) as flat float64 CPU tensors, those off the CPU copied to the
+    host in one transfer (one sync on CUDA, where reading each was one apiece)."""
+    on_device = [isinstance(v, Tensor) and v.device.type != "cpu" for v in values]
+    off_cpu = [v.detach() for v, there in zip(values, on_device, strict=True) if there]
+    copied = iter(())
+    if off_cpu:
+        device = off_cpu[0].device
+        flat = torch.cat([v.reshape(-1).double().to(device, non_blocking=True) for v in off_cpu]).cpu()
+        copied = iter(flat.split([v.numel() for v in off_cpu]))
+    host = []
+    for value, there in zip(values, on_device, strict=True):
+        if not there:
+            value = torch.as_tensor(value.detach() if isinstance(value, Tensor) else value, dtype=torch.float64)
+        host.append(next(copied) if there else value.reshape(-1))
+    return host
+
+
+def flag_if_not_finite(values: Tensor, noop_flag: Tensor) -> None:
+    """Apex's norm kernels raise the flag on an inf/nan partial sum: raised here on the device, nothing read."""
+    noop_flag.masked_fill_(~torch.isfinite(values).all().to(noop_flag.device), 1)
 
 
 def switch_args(op_name: str, **values: Any) -> tuple[bool, ...]:
@@ -123,11 +154,12 @@ def clip_ratio(global_norm: float, max_norm: float) -> float:
     return global_norm / max_norm if max_norm > 0 and global_norm > max_norm else 1.0
 
 
-def _host_values(op_name: str, name: str, values: Tensor, count: int) -> list[float]:
+def _check_per_tensor(op_name: str, name: str, values: Tensor, count: int) -> Tensor:
+    """The first ``count`` of ``values`` (flattened), one per tensor, as Apex's kernels read them."""
     flat = values.detach().reshape(-1)
     if flat.numel() < count:
         raise RuntimeError(f"{op_name}: {name} has {flat.numel()} values; expected one per tensor ({count})")
-    return flat[:count].double().cpu().tolist()
+    return flat[:count]
 
 
 def lamb_direction(
@@ -169,10 +201,11 @@ def lamb_direction(
 
 def trust_ratios(lr: float, param_norms: Tensor, update_norms: Tensor, weight_decay: float, use_nvlamb: bool) -> Tensor:
     """``lr * ||param|| / ||update||`` per tensor (``lr`` where either norm is 0), applied only with weight
-    decay or ``use_nvlamb``, as Apex's stage 2: a float64 CPU vector, what ampkit's stage-2 kernel reads."""
-    param_norms, update_norms = param_norms.double().cpu(), update_norms.double().cpu()
+    decay or ``use_nvlamb``, as Apex's stage 2: a float64 CPU vector, what ampkit's stage-2 kernel reads. The norms
+    are read only where the ratio applies, both in one transfer."""
     if not (use_nvlamb or weight_decay != 0):
-        return torch.full(param_norms.shape, float(lr), dtype=torch.float64)
+        return torch.full((param_norms.numel(),), float(lr), dtype=torch.float64)
+    param_norms, update_norms = read_on_host(param_norms, update_norms)
     usable = (param_norms != 0) & (update_norms != 0)
     return torch.where(usable, lr * (param_norms / update_norms.where(usable, 1.0)), lr).contiguous()
 
@@ -191,14 +224,6 @@ def apply_lamb(params: list[Tensor], masters: list[Tensor], updates: list[Tensor
 
 def _per_tensor_norms(tensors: list[Tensor]) -> Tensor:
     return multi_tensor.l2norm(tensors, per_tensor=True).per_tensor
-
-
-def _raise_if_not_finite(norms: Tensor, noop_flag: Tensor) -> bool:
-    """Apex's norm kernels raise the flag on an inf/nan partial sum; True when they did here."""
-    if bool(torch.isfinite(norms).all()):
-        return False
-    noop_flag.fill_(1)
-    return True
 
 
 def _copy_into(targets: list[Tensor], values: list[Tensor]) -> None:
@@ -247,9 +272,9 @@ def multi_tensor_lamb(
         return
     if norm_of_own_grads:
         global_grad_norm = multi_tensor.l2norm(grads).total
-        _raise_if_not_finite(global_grad_norm.reshape(1), noop_flag)
+        flag_if_not_finite(global_grad_norm, noop_flag)
     param_norms = _per_tensor_norms(params)
-    _raise_if_not_finite(param_norms, noop_flag)
+    flag_if_not_finite(param_norms, noop_flag)
     clip = clip_ratio(scalar_arg("multi_tensor_lamb", "global_grad_norm", global_grad_norm), max_grad_norm)
     updates = lamb_direction(
         params, [], grads, exp_avgs, exp_avg_sqs, float(step), beta1=beta1, beta2=beta2, eps=epsilon,
@@ -258,7 +283,7 @@ def multi_tensor_lamb(
     )  # fmt: skip
     _copy_into(grads, updates)  # Apex left the direction in .grad and took its norm from there
     update_norms = _per_tensor_norms(grads)
-    _raise_if_not_finite(update_norms, noop_flag)
+    flag_if_not_finite(update_norms, noop_flag)
     ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, use_nvlamb)
     apply_lamb(params, [], grads, ratios)
 
@@ -300,31 +325,37 @@ def multi_tensor_lamb_mp(
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_lamb_mp: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
     grads, params, exp_avgs, exp_avg_sqs = lists[:4]
-    if not params or bool(noop_flag.reshape(-1)[0]):
+    if not params:
         return
+    name = "multi_tensor_lamb_mp"
+    scalars = {"inv_scale": inv_scale, "lr": lr, "global_grad_norm": global_grad_norm, "max_grad_norm": max_grad_norm}
+    for arg, value in scalars.items():
+        check_scalar(name, arg, value)
     # fp16/bf16 model params get their rounded copy from the fp32 masters the kernels update; full-precision
     # "model params" in a fifth list are copied from the params after the step.
     with_masters = len(lists) == 5 and lists[4][0].dtype in _REDUCED
     model_params, masters = (lists[4], params) if with_masters else (params, [])
-    param_norms = _per_tensor_norms(params)
-    if _raise_if_not_finite(param_norms, noop_flag):
-        return
-    name = "multi_tensor_lamb_mp"
-    for arg, value in (("inv_scale", inv_scale), ("lr", lr)):  # checked only: the maths takes them as given
-        scalar_arg(name, arg, value)
-    clip = clip_ratio(
-        scalar_arg(name, "global_grad_norm", global_grad_norm), scalar_arg(name, "max_grad_norm", max_grad_norm)
+    # What the host needs before stage 1, in one transfer: the flag, step, the scalars and the param norms.
+    flag, step_now, *numbers, param_norms = read_on_host(
+        noop_flag.reshape(-1)[:1], step.reshape(-1)[:1], *scalars.values(), _per_tensor_norms(params)
     )
+    inv_scale, lr, global_grad_norm, max_grad_norm = (float(n) for n in numbers)
+    if bool(flag[0]):
+        return
+    if not bool(torch.isfinite(param_norms).all()):  # host values: no read
+        noop_flag.fill_(1)
+        return
     updates = lamb_direction(
-        model_params, masters, grads, exp_avgs, exp_avg_sqs, float(step.reshape(-1)[0]), beta1=beta1, beta2=beta2,
+        model_params, masters, grads, exp_avgs, exp_avg_sqs, float(step_now[0]), beta1=beta1, beta2=beta2,
         eps=epsilon, weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=grad_averaging,
-        bias_correction=bias_correction, grad_factor=float(inv_scale) / clip,
+        bias_correction=bias_correction, grad_factor=inv_scale / clip_ratio(global_grad_norm, max_grad_norm),
     )  # fmt: skip
     _copy_into(grads, updates)  # Apex left the direction in .grad and took its norm from there
-    update_norms = _per_tensor_norms(grads)
-    if _raise_if_not_finite(update_norms, noop_flag):
+    (update_norms,) = read_on_host(_per_tensor_norms(grads))
+    if not bool(torch.isfinite(update_norms).all()):
+        noop_flag.fill_(1)
         return
-    ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, use_nvlamb)
+    ratios = trust_ratios(lr, param_norms, update_norms, weight_decay, use_nvlamb)
     apply_lamb(model_params, masters, grads, ratios)
     if len(lists) == 5 and not with_masters:
         _copy_into(lists[4], params)
@@ -351,8 +382,11 @@ def multi_tensor_lamb_stage1_cuda(
     grads, params, exp_avgs, exp_avg_sqs, updates = check_lists(name, tensor_lists, (5,))
     if not params:
         return
-    decays = _host_values(name, "per_tensor_decay", per_tensor_decay, len(params))
-    clip = clip_ratio(scalar_arg(name, "global_grad_norm", global_grad_norm), max_global_grad_norm)
+    check_scalar(name, "global_grad_norm", global_grad_norm)
+    decays, norm = read_on_host(_check_per_tensor(name, "per_tensor_decay", per_tensor_decay, len(params)),
+                                 global_grad_norm)  # fmt: skip
+    clip = clip_ratio(float(norm), max_global_grad_norm)
+    decays = decays.tolist()
     for decay in dict.fromkeys(decays):  # ampkit's kernel takes one weight decay: one call per distinct value
         picked = [i for i, d in enumerate(decays) if d == decay]
         select = [[t[i] for i in picked] for t in (params, grads, exp_avgs, exp_avg_sqs, updates)]
@@ -385,8 +419,8 @@ def multi_tensor_lamb_stage2_cuda(
     params, updates = check_lists(name, tensor_lists, (2,))
     if not params:
         return
-    param_norms = torch.tensor(_host_values(name, "per_tensor_param_norm", per_tensor_param_norm, len(params)))
-    update_norms = torch.tensor(_host_values(name, "per_tensor_update_norm", per_tensor_update_norm, len(params)))
+    param_norms = _check_per_tensor(name, "per_tensor_param_norm", per_tensor_param_norm, len(params))
+    update_norms = _check_per_tensor(name, "per_tensor_update_norm", per_tensor_update_norm, len(params))
     if weight_decay is None:
         weight_decay, use_nvlamb = 0.0, True
     ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, bool(use_nvlamb))

@@ -21,6 +21,7 @@ from torch import Tensor
 from ampkit.compat._amp_c_lamb import (
     check_lists,
     check_step,
+    flag_if_not_finite,
     multi_tensor_lamb,
     multi_tensor_lamb_mp,
     multi_tensor_lamb_stage1_cuda,
@@ -30,7 +31,7 @@ from ampkit.compat._amp_c_lamb import (
 from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.missing_name import missing_name
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import decay_weights_
+from ampkit.ops.optimizers._base import ScalerTensors, decay_weights_, host_numbers
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers.sgd import sgd_step
 
@@ -57,9 +58,10 @@ __all__ = [
 TensorLists = Sequence[Sequence[Tensor]]
 
 
-def _flag_if_not_finite(norm: Tensor, noop_flag: Tensor) -> None:
-    """Apex's norm kernels raise the flag when a partial sum of squares is inf/nan."""
-    noop_flag.masked_fill_(~torch.isfinite(norm).all().to(noop_flag.device), 1)
+def _skip_flag_on(noop_flag: Tensor, device: torch.device) -> Tensor:
+    """``noop_flag`` as the float32 ``found_inf`` the optimizer kernels skip on (1.0 where it is not 0), on
+    ``device``, with no host read: the kernels read it where they run."""
+    return (noop_flag.reshape(()) != 0).float().to(device, non_blocking=True)
 
 
 def _norm_outputs(result: multi_tensor.L2Norm) -> tuple[Tensor, Tensor]:
@@ -132,7 +134,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorL
 
     def integer_op(xi: Tensor, oi: Tensor) -> None:
         wide = xi.double()
-        _flag_if_not_finite(wide, noop_flag)
+        flag_if_not_finite(wide, noop_flag)
         _write_rounded(oi, wide * float(scale))
 
     _with_integer_entries_apart(
@@ -162,7 +164,7 @@ def multi_tensor_axpby(
     def integer_op(xi: Tensor, yi: Tensor, oi: Tensor) -> None:
         wide_x, wide_y = xi.double(), yi.double()
         for checked in {-1: (wide_x, wide_y), 0: (wide_x,), 1: (wide_y,)}[arg_to_check]:
-            _flag_if_not_finite(checked, noop_flag)
+            flag_if_not_finite(checked, noop_flag)
         _write_rounded(oi, float(a) * wide_x + float(b) * wide_y)
 
     _with_integer_entries_apart([x, y, out], float_kernel, integer_op)
@@ -176,7 +178,7 @@ def multi_tensor_l2norm(
     (inputs,) = check_lists("multi_tensor_l2norm", tensor_lists, (1,))
     result = multi_tensor.l2norm(inputs, per_tensor=per_tensor is not None and per_tensor)
     total, per = _norm_outputs(result)
-    _flag_if_not_finite(total, noop_flag)
+    flag_if_not_finite(total, noop_flag)
     return total, per
 
 
@@ -196,7 +198,7 @@ def multi_tensor_l2norm_scale(
     inputs, outputs = check_lists("multi_tensor_l2norm_scale", tensor_lists, (2,))
     total, per = _norm_outputs(multi_tensor.l2norm(inputs, per_tensor=per_tensor is not None and per_tensor))
     multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
-    _flag_if_not_finite(total, noop_flag)
+    flag_if_not_finite(total, noop_flag)
     return total, per
 
 
@@ -212,7 +214,7 @@ def multi_tensor_unscale_l2norm(
     (inputs,) = check_lists("multi_tensor_unscale_l2norm", tensor_lists, (1,))
     result = multi_tensor.unscale_l2norm(inputs, inv_scale, noop_flag, per_tensor=per_tensor is not None and per_tensor)
     total, per = _norm_outputs(result)
-    _flag_if_not_finite(total, noop_flag)
+    flag_if_not_finite(total, noop_flag)
     return total, per
 
 
@@ -287,6 +289,7 @@ def _adam_capturable(
     if not params:
         return
     device = params[0].device
+    lr, step = host_numbers([lr, step])  # ampkit's kernel takes them as numbers: one transfer for both
     op("adam_step", device)(
         params,
         grads,
@@ -304,8 +307,8 @@ def _adam_capturable(
         False,
         bias_correction,
         1.0,
-        inv_scale.reshape(()).float().reciprocal().to(device),
-        noop_flag.reshape(()).float().to(device),
+        inv_scale.reshape(()).float().reciprocal().to(device, non_blocking=True),
+        _skip_flag_on(noop_flag, device),
     )
 
 
@@ -457,11 +460,12 @@ def multi_tensor_sgd(
     if not isinstance(noop_flag, Tensor) or noop_flag.numel() != 1:
         got = list(noop_flag.shape) if isinstance(noop_flag, Tensor) else type(noop_flag).__name__
         raise TypeError(f"multi_tensor_sgd: noop_flag must be a one-element int32 or float32 tensor, got {got}")
-    if not lists[0] or bool(noop_flag.item()):
+    if not lists[0]:
         return
     grads, weights, buffers = lists[:3]
+    skip = _skip_flag_on(noop_flag, weights[0].device)  # Apex's kernel read the flag on the device: no host read
     if wd_after_momentum and wd != 0:  # w - lr * (u + wd * w) == (1 - lr * wd) * w - lr * u
-        decay_weights_(weights, 1.0 - lr * wd)
+        decay_weights_(weights, 1.0 - lr * wd, skip)
         wd = 0.0
     if len(lists) == 4:
         params, masters = lists[3], weights
@@ -479,6 +483,7 @@ def multi_tensor_sgd(
         nesterov=nesterov,
         first_step=first_run,
         grad_factor=scale,
+        scaler=ScalerTensors(found_inf=skip),
     )
 
 

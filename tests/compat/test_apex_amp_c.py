@@ -265,12 +265,11 @@ def test_sgd_three_and_four_lists_match_apex_math_and_skip_on_the_flag(layout, n
         assert torch.allclose(w.double(), ref_w[i], rtol=tol, atol=tol)
         if layout == "fp16_grads_fp32_master":
             assert torch.equal(model_copies[i], w.half())
-    frozen = [w.clone() for w in weights]
-    raised = flag().fill_(1)
-    multi_tensor_applier(
-        amp_C.multi_tensor_sgd, raised, [grads, weights, moms], *hyper.values(), False, wd_after_momentum, 1.0
-    )
-    assert all(torch.equal(a, b) for a, b in zip(weights, frozen, strict=True))
+    frozen = [t.clone() for t in (*weights, *moms, *model_copies)]
+    raised = flag().fill_(1)  # the lists Apex's kernel takes: it refused fp16 grads of fp32 weights without a copy
+    multi_tensor_applier(amp_C.multi_tensor_sgd, raised, lists, *hyper.values(), False, wd_after_momentum, 1.0)
+    kept = (*weights, *moms, *model_copies)
+    assert all(torch.equal(a, b) for a, b in zip(kept, frozen, strict=True))
 
 
 def test_lamb_matches_apex_math_with_global_norm_clipping():
