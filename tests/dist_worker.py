@@ -23,7 +23,7 @@ from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
 from ampkit import cli as ampkit_cli
-from ampkit.callbacks import EarlyStopping, MaxTime
+from ampkit.callbacks import EarlyStopping, MaxTime, ModelCheckpoint
 from ampkit.callbacks import checkpoint as checkpoint_module
 from ampkit.callbacks import tensorboard as tensorboard_module
 from ampkit.trainer import trainer as trainer_module
@@ -533,6 +533,46 @@ class StopAtStep3(ampkit.Callback):
             trainer.state.should_stop, trainer.state.stop_reason = True, f"rank {RANK}'s rule"
 
 
+class StopAtSecondValidation(ampkit.Callback):
+    """Asks to stop at the end of the second validation, as an early stopping rule of this rank's own would."""
+
+    def __init__(self) -> None:
+        self.validations = 0
+
+    def on_validation_end(self, trainer, metrics):
+        self.validations += 1
+        if self.validations == 2:
+            trainer.state.should_stop, trainer.state.stop_reason = True, f"rank {RANK}'s validation rule"
+
+
+class StepLog(ampkit.Callback):
+    """A user's logging callback with no collectives: the steps this rank ended."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        self.steps.append(trainer.state.global_step)
+
+
+def callbacks_on_rank_zero(out: Path, base: dict) -> dict:
+    """A fit per callback given on rank 0 alone (Lightning's ``[...] if rank == 0 else []``): a ModelCheckpoint and an
+    EarlyStopping take part in collectives (refused on every rank at set-up), a plain logging callback does not."""
+    given = {"checkpoint": lambda: ModelCheckpoint(every_n_steps=1), "early_stopping": lambda: EarlyStopping("val/mse"),
+             "logging": StepLog}  # fmt: skip
+    outcomes = {}
+    for name, make in given.items():
+        trained = {**base["trainer"], "max_steps": 2, "val_every_n_steps": 1}
+        cfg = {**base, "run_dir": str(out / name), "data": {"batch_size": 4}, "checkpoint": {"enabled": False},
+               "trainer": trained, "distributed": {"timeout_s": 10}}  # fmt: skip
+        callbacks = [make()] if RANK == 0 else []
+        outcome = _outcome(Plain(cfg, callbacks=callbacks))
+        outcomes[name] = outcome[:2] if outcome[0] == "trained" else (outcome[0], outcome[1], outcome[3])
+        if name == "logging" and callbacks:
+            outcomes[name] += (callbacks[0].steps,)
+    return outcomes
+
+
 class StopAtEpoch1Start(ampkit.Callback):
     """Asks to stop as the second epoch starts, before any of its batches."""
 
@@ -546,7 +586,7 @@ def stop_runs(out: Path, base: dict) -> dict:
     checkpoint (loop position and recorded stop). Two epochs for the stop asked at an epoch's start, one otherwise."""
     rule = StopAtStep3
     asked_on = {"rank 1": {1: [rule()]}, "rank 0": {0: [rule()]}, "both": {0: [rule()], 1: [rule()]},
-                "early stopping on rank 1": {1: [EarlyStopping("val/mse", "max", 1, min_delta=1e9)]},
+                "validation rule on rank 1": {1: [StopAtSecondValidation()]},
                 "max_time on rank 1": {1: [MaxTime(1e-3)]},
                 "epoch start on rank 1": {1: [StopAtEpoch1Start()]}}  # fmt: skip
     runs = {}
@@ -1060,6 +1100,9 @@ def main(scenario: str, out: Path) -> None:
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 8},
                "distributed": {"timeout_s": 60}}  # fmt: skip
         trainer = StepFailsOnRank1(cfg)
+    elif scenario == "callbacks_on_rank_zero":
+        torch.save(callbacks_on_rank_zero(out, base), out / f"rank{RANK}.pt")
+        return
     elif scenario == "rank_zero_decides":
         torch.save(rank_zero_decides(out, base), out / f"rank{RANK}.pt")
         return

@@ -192,7 +192,7 @@ def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkp
     assert "ampkit: stopping every rank at step 4: rank 0: rank 0's rule" in results[0].stderr
     expected = {"rank 1": (4, "rank 1: rank 1's rule"), "rank 0": (4, "rank 0: rank 0's rule"),
                 "both": (4, "rank 0: rank 0's rule; rank 1: rank 1's rule"),
-                "early stopping on rank 1": (6, "rank 1: early stopping: val/mse did not improve"),
+                "validation rule on rank 1": (6, "rank 1: rank 1's validation rule"),
                 "max_time on rank 1": (2, "rank 1: trainer.max_time=0.001s reached")}  # fmt: skip
     for name, (step, reason) in expected.items():
         ended, loop, stopped = rank0["runs"][name]
@@ -204,6 +204,47 @@ def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkp
     ended, loop, stopped = rank0["runs"]["epoch start on rank 1"]
     assert ended == rank1["runs"]["epoch start on rank 1"][0] == 8
     assert loop["global_step"] == 8 and stopped.startswith("rank 1: rank 1's epoch rule"), (loop, stopped)
+
+
+def test_a_callback_that_joins_collectives_on_rank_zero_alone_is_refused_on_every_rank_at_set_up(tmp_path):
+    """Lightning's ``callbacks=[ModelCheckpoint()] if rank == 0 else []``: rank 0 waited in the checkpoint's first
+    save (rank zero decides it) for a rank that never joined, until distributed.timeout_s (10 s here). Every rank now
+    refuses it as callbacks are set up, naming it and the rank that lacks it; a plain logging callback on rank 0 alone
+    takes part in no collective and trains as before."""
+    outcomes = [r for r in _ok(launch("callbacks_on_rank_zero", tmp_path, timeout=120))]
+    for name in ("checkpoint", "early_stopping"):
+        kind = {"checkpoint": "ModelCheckpoint", "early_stopping": "EarlyStopping"}[name]
+        for rank, outcome in enumerate(outcomes):
+            error, message, seconds = outcome[name]
+            assert error == "CallbacksDifferAcrossRanksError", (rank, name, message)
+            assert message.startswith(f"{kind} is given on rank(s) 0 but not on rank(s) 1: "), message
+            assert "Give it on every rank" in message and "trainer.is_global_zero" in message, message
+            assert seconds < 5, (rank, name, seconds)
+    assert outcomes[0]["logging"][:2] == outcomes[1]["logging"][:2] == ("trained", 2)
+    assert outcomes[0]["logging"][2] == [1, 2]
+
+
+def test_collective_callbacks_that_differ_across_ranks_are_named_with_the_ranks_lacking_them(monkeypatch):
+    """Three ranks: rank 2 has one of rank 0's and 1's two EarlyStoppings, rank 1 lacks the TensorBoardLogger; a plain
+    callback on rank 0 alone is no collective's, and one process gathers nothing."""
+    from ampkit.callbacks import EarlyStopping, TensorBoardLogger
+    from ampkit.trainer import rank_callbacks
+    from ampkit.trainer.distributed import DistributedEnv
+
+    stoppers = [EarlyStopping("val/mse"), EarlyStopping("val/acc", "max")]
+    ranks = [[*stoppers, TensorBoardLogger(), ampkit.Callback()], stoppers, [stoppers[0], TensorBoardLogger()]]
+    gathered = [rank_callbacks.collective_callback_kinds(callbacks) for callbacks in ranks]
+    monkeypatch.setattr(rank_callbacks, "gather_object", lambda value, env: gathered)
+    with pytest.raises(rank_callbacks.CallbacksDifferAcrossRanksError) as refused:
+        rank_callbacks.check_collective_callbacks_on_every_rank(ranks[0], DistributedEnv(rank=0, world_size=3))
+    assert str(refused.value).startswith(
+        "EarlyStopping is given 2 times on rank(s) 0, 1 but fewer times on rank(s) 2; TensorBoardLogger is given on "
+        "rank(s) 0, 2 but not on rank(s) 1: these callbacks take part in collectives"
+    )
+    gathered = [gathered[0], [*gathered[0]], [*gathered[0]]]  # the plain callback on rank 0 alone is no one's concern
+    rank_callbacks.check_collective_callbacks_on_every_rank([ampkit.Callback()], DistributedEnv(rank=1, world_size=3))
+    monkeypatch.setattr(rank_callbacks, "gather_object", lambda value, env: pytest.fail("one process gathers"))
+    rank_callbacks.check_collective_callbacks_on_every_rank(ranks[0], DistributedEnv())
 
 
 @pytest.mark.parametrize("scenario", ["train_monitor", "train_monitor_rank_zero_only"])

@@ -38,6 +38,7 @@ class DistributedSync(Callback):
     """
 
     phase = Phase.DISTRIBUTE  # after the model is cast, before clipping reads the averaged gradients
+    takes_part_in_collectives = True
 
     def __init__(self, grad_sync: str = "ddp", ddp_kwargs: dict[str, Any] | None = None,
                  sync_batchnorm: bool = False, failure_wait_s: float = 5.0) -> None:  # fmt: skip

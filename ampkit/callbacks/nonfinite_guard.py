@@ -32,6 +32,8 @@ class NonFiniteGuard(Callback):
     was non-finite. Iterations in which every step was skipped (a loss scaler's overflow, clipping) never count.
     """
 
+    takes_part_in_collectives = True  # the ranks agree on a non-finite loss
+
     def __init__(self, check_every_n_steps: int = 10) -> None:
         self.check_every_n_steps = interval_option(check_every_n_steps, "NonFiniteGuard: check_every_n_steps")
         self._pending: list[torch.Tensor] = []  # this iteration's losses, until its end

@@ -211,6 +211,7 @@ class TensorBoardLogger(Callback):
 
     phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
     state_is_optional = True  # a resume with logging.tensorboard=false has no use for the window
+    takes_part_in_collectives = True  # rank zero opens the events file for every rank
 
     def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0, log_momentum: bool = False) -> None:
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, numbers.Real) or not flush_secs >= 0:

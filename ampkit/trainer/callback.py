@@ -100,6 +100,9 @@ class Callback:
     # checkpoint's, so a value another callback of its phase logs there is one it sees. A checkpoint writer that reads
     # them (ModelCheckpoint's monitor) runs after the other checkpoint writers, whose logged values it then ranks.
     reads_logged_values: ClassVar[bool] = False
+    # True for a callback whose hooks join collectives (a save rank zero decides, a value it broadcasts): every rank
+    # must then have it, which the Trainer checks when it sets callbacks up (a callback on one rank alone would wait).
+    takes_part_in_collectives: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

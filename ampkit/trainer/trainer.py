@@ -195,6 +195,7 @@ from ampkit.trainer.preemption import (
     uncaught_exits_with_signal_status,
 )
 from ampkit.trainer.process_runs import enter_run, leave_run
+from ampkit.trainer.rank_callbacks import check_collective_callbacks_on_every_rank
 from ampkit.trainer.rng import (
     capture_callers_rng,
     capture_rng,
@@ -2349,6 +2350,7 @@ class Trainer:
         sources += ["configure_callbacks()"] * len(own)
         sources += ["Trainer(callbacks=...)"] * len(self._user_callbacks)
         self.callbacks = order_callbacks(defaults + own + self._user_callbacks, sources)
+        check_collective_callbacks_on_every_rank(self.callbacks, self.dist)  # before any of them joins one
         for cb in self.callbacks:  # a misspelt hook (Lightning's on_validation_epoch_end) would never run
             own_hooks(type(cb), Callback, takes_trainer=True)
             check_lightning_only_hooks(type(cb), Callback)  # nor Lightning's setup(trainer, pl_module, stage)
