@@ -250,11 +250,13 @@ _FINITE_NUMBER = (lambda v: -math.inf < v < math.inf), "a finite number"
 
 def names_a_metric(value: str) -> bool:
     """Whether a monitor's text names a metric: not blank, and not blank after its ``val/`` or ``train/`` prefix
-    (``""`` monitored nothing, silently; ``"val/"`` looked for a metric with no name)."""
-    return bool(re.sub(r"^\s*(val|train)/", "", value).strip())
+    (``""`` monitored nothing, silently; ``"val/"`` looked for a metric with no name), and printable: a newline, tab
+    or other control character is in no tag a run logs, so the monitor failed only at the first validation."""
+    return value.isprintable() and bool(re.sub(r"^\s*(val|train)/", "", value).strip())
 
 
-_METRIC_NAME = names_a_metric, "a metric's name, such as val/loss"
+METRIC_NAME_RULE = "a metric's name (printable text: no newline, tab or control character), such as val/loss"
+_METRIC_NAME = names_a_metric, METRIC_NAME_RULE
 
 # Every integer key holds a 64-bit integer: torch, islice and DataLoader take nothing larger (trainer.seed has its
 # own range: torch takes any seed that a signed or unsigned 64-bit integer holds).

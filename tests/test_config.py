@@ -209,6 +209,41 @@ def test_invalid_values_are_rejected_at_construction(tmp_path, key, value, expec
     assert key in str(err.value)
 
 
+@pytest.mark.parametrize("key", ["checkpoint.monitor", "early_stopping.monitor"])
+@pytest.mark.parametrize(
+    "monitor",
+    ["val/loss\nval/acc", "val/\tloss", "val/loss\x00", "val/" + "x" * 100_000 + "\r"],
+    ids=["newline", "tab", "nul", "100kB"],
+)
+def test_a_monitor_no_logged_tag_can_hold_is_refused_when_the_trainer_is_built(tmp_path, key, monitor):
+    """A newline, tab or other control character is in no tag a run logs: such a monitor was accepted and failed only
+    at the first validation, repeating a pasted 100 kB value whole."""
+    cfg = toy_cfg(tmp_path)
+    section, name = key.split(".")
+    cfg[section] = {name: monitor}
+    with pytest.raises(ConfigError, match=f"'{key}': .* is invalid; .*no newline, tab or control character") as err:
+        ToyTrainer(cfg)
+    assert len(str(err.value)) < 400
+
+
+def test_a_long_monitor_is_named_by_its_start_and_length_when_it_cannot_be_met(tmp_path):
+    """A pasted 100 kB name is a legal tag; a message about it named all of it."""
+    cfg = toy_cfg(tmp_path, **{"trainer.val_every_n_epochs": 0, "trainer.val_every_n_steps": 0})
+    cfg["checkpoint"] = {"monitor": "val/" + "x" * 100_000}
+    with pytest.raises(
+        ConfigError, match=r"monitors 'val/x{75}\.\.\. \(100006 characters\), but validation never"
+    ) as err:
+        ToyTrainer(cfg)
+    assert len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize("monitor", ["val/acc@1", "loss/epoch", "val/top-1 acc", "train/loss", "val/précision"])
+def test_odd_but_loggable_monitor_names_are_taken(tmp_path, monitor):
+    cfg = toy_cfg(tmp_path)
+    cfg["early_stopping"] = {"monitor": monitor}
+    assert ToyTrainer(cfg).cfg.early_stopping.monitor == monitor
+
+
 def test_a_huge_num_losses_is_refused_instead_of_making_a_scaler_for_each(tmp_path):
     """A scaler per loss_id is made up front, so 10**23 (a typo, a units slip) hung the construction."""
     cfg = toy_cfg(tmp_path, **{"precision.opt_level": "O1", "precision.num_losses": 10**15})

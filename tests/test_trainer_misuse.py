@@ -539,6 +539,30 @@ def test_a_callback_built_by_hand_refuses_a_value_of_the_wrong_kind_naming_it(bu
         build()
 
 
+@pytest.mark.parametrize("callback", [ModelCheckpoint, EarlyStopping])
+@pytest.mark.parametrize(
+    ("monitor", "shown"),
+    [
+        ("val/a\nb", r"'val/a\\nb'"),
+        ("val/\tloss", r"'val/\\tloss'"),
+        ("\x1b[0m", r"'\\x1b\[0m'"),
+        ("x" * 100_000 + "\n", r"'x{79}\.\.\. \(100004 characters\)"),
+    ],
+    ids=["newline", "tab", "escape", "100kB"],
+)
+def test_a_monitor_given_in_code_that_no_tag_can_be_is_refused_at_construction(callback, monitor, shown):
+    """A newline or control character is in no tag a run logs: such a monitor was taken and failed only at the first
+    validation, repeating a pasted 100 kB value whole."""
+    with pytest.raises(ValueError, match=f"monitor {shown} is invalid; expected .*no newline, tab or control") as err:
+        callback(monitor=monitor)
+    assert len(str(err.value)) < 300
+
+
+@pytest.mark.parametrize("monitor", ["val/acc@1", "loss/epoch", "val/top-1 acc", "train/loss", "val/précision"])
+def test_a_monitor_given_in_code_with_an_odd_but_loggable_name_is_taken(monitor):
+    assert str(ModelCheckpoint(monitor=monitor).monitor) == str(EarlyStopping(monitor).monitor) == monitor
+
+
 def test_a_callback_built_by_hand_takes_what_its_config_key_takes():
     """The checks above refuse no value the config passes, nor the obvious spellings of one."""
     assert ModelCheckpoint(mode="max").monitor is None  # a mode without a monitor: checked, then unused

@@ -96,6 +96,7 @@ from ampkit.trainer.sharded_checkpoint import (
     training_order,
     users_own_at,
 )
+from ampkit.wording import shown
 
 LOCK_FILE = "run.lock"
 LINEAGE_FILE = "lineage.yaml"
@@ -178,7 +179,7 @@ def missing_alias_hint(run_dir: str | os.PathLike, alias: str, monitor: str | No
         return f" ({broken}; pass a path)"
     last = resolve_checkpoint(run_dir, "last") if alias == "best" else None
     if last is not None:
-        kept = f"checkpoint.monitor ('{monitor}') was logged" if monitor else "checkpoint.monitor is set"
+        kept = f"checkpoint.monitor ({shown(monitor)}) was logged" if monitor else "checkpoint.monitor is set"
         return f": best.pt is kept only where {kept} at a save; '{last}' is the newest checkpoint ({option} last)"
     left = newest_periodic_checkpoint(run_dir)
     return f": the newest checkpoint left is '{left}' (pass its path)" if left is not None else " (pass a path)"

@@ -264,7 +264,7 @@ from ampkit.trainer.user_code import (
     short_epoch_message,
     training_step_loss_error,
 )
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
@@ -1814,7 +1814,7 @@ class Trainer:
             return
         logged = sorted(self.validation_end_values)
         problem = (
-            f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but validation "
+            f"{_scheduler_name(sched, optimizer)} monitors {shown(sched.monitor)}, but validation "
             f"produced {sorted(self.val_metrics) or 'nothing yet'}"
             + (f" and its on_validation_end hooks logged {logged}" if logged else "")
         )
@@ -1832,9 +1832,9 @@ class Trainer:
             return
         logged = broadcast_object(self.monitor_value_names(), self.dist)
         problem = (
-            f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but epoch {self.state.epoch} logged "
+            f"{_scheduler_name(sched, optimizer)} monitors {shown(sched.monitor)}, but epoch {self.state.epoch} logged "
             f"{', '.join(logged) or 'none'}: {unprefixed_note(sched.monitor, logged)}log it in training_step with "
-            f"self.log('{sched.monitor}', value, on_epoch=True), or in "
+            f"self.log({shown(sched.monitor)}, value, on_epoch=True), or in "
             "on_train_epoch_end by the Trainer's own hook or a callback that saves no checkpoints (epoch-interval "
             "schedulers step before the checkpoint writers' on_train_epoch_end, whose save then holds the stepped "
             "schedulers)"
