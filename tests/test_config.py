@@ -152,6 +152,35 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_config(tmp_path)
 
 
+_LONG = "x" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("~" + _LONG, r"override '~x{78}\.\.\. \(100003 characters\): removing a key .* keep the key's default"),
+        (_LONG, r"override 'x{79}\.\.\. \(100002 characters\) is not of the form key=value \(e\.g\."),
+        (f"trainer..{_LONG}=1", r"override 'trainer\.\.x{70}\.\.\. \(100013 characters\): key 'trainer\.\.x{70}"),
+        ("trainer.max_epochs=[" + "1," * 50_000, r"cannot read the value '\[1,1,.{74}\.\.\. \(100003 characters\)"),
+    ],
+    ids=["removal", "no equals", "empty part", "unclosed list"],
+)
+def test_a_long_override_is_named_by_its_start_and_length(override, expected):
+    """A pasted 100 kB override was repeated whole, in some messages twice."""
+    with pytest.raises(ConfigError, match=expected) as err:
+        load_config(REPO / "configs/digits.yaml", [override])
+    assert len(str(err.value)) < 1000
+
+
+def test_a_long_padded_foreign_spelling_is_named_by_its_start_and_length(tmp_path):
+    """The note on what a foreign spelling means repeated the value whole."""
+    cfg = toy_cfg(tmp_path)
+    cfg["precision"] = {"opt_level": " " * 100_000 + "o1"}
+    with pytest.raises(ConfigError, match=r"\(' {79}\.\.\. \(100004 characters\) is opt_level O1,") as err:
+        ToyTrainer(cfg)
+    assert len(str(err.value)) < 600
+
+
 @pytest.mark.parametrize(
     ("key", "value", "expected"),
     [
@@ -417,6 +446,11 @@ def test_yaml_and_command_line_booleans_still_read(tmp_path):
     [
         ("[0.9]", r"\[0.9\] has 1 item; expected 2 \(e.g. optim.betas=\[0.9, 0.95\]\)"),
         ("[0.9,0.9,0.9]", r"\[0.9, 0.9, 0.9\] has 3 items; expected 2"),
+        pytest.param(  # a pasted list is named by its start and length, not repeated whole
+            "[" + "0.9," * 1000 + "]",
+            r"\[0.9, 0.9, .{69}\.\.\. \(5000 characters\) has 1000 items; expected 2 \(",
+            id="1000 items",
+        ),
         ("abc", r"'abc' is not a list; expected a list, e.g. optim.betas=\[0.9, 0.95\]"),
     ],
 )
