@@ -262,6 +262,15 @@ class LossIdList(ToyTrainer):
         self.backward(super().training_step(batch), loss_id=[1])
 
 
+class LongLossIds(ToyTrainer):
+    """repr() of an integer of 5001 digits raises: the loss's own error became a bare ValueError."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        self.backward(super().training_step(batch).expand(2), loss_id=10**5000)
+
+
 class LossIdTensor(ToyTrainer):
     """A tensor hashes by identity: at O0, where no scaler refused it, each backward made a new loss entry, which
     every iteration then walked (and ranks could never agree on)."""
@@ -340,6 +349,7 @@ class EmptyBatch(ToyTrainer):
         ("HugeIntLogged", "log('train/count'): an integer of 401 digits is beyond a float's range (+-1.8e308)"),
         ("LossIdList", "backward(loss_id=[1]): a loss id is a name or an integer, not a list"),
         ("LossIdTensor", "backward(loss_id=tensor(0)): a loss id is a name or an integer, not a Tensor"),
+        ("LongLossIds", "the loss of loss_id an integer of 5001 digits has shape (2,); expected a scalar"),
         ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),
         ("PlateauWithoutMonitor", "a ReduceLROnPlateau steps on a metric: name it with 'monitor'"),
         ("NoOptimizersListed", "configure_optimizers() returned an empty list of optimizers"),
