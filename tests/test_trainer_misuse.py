@@ -558,6 +558,25 @@ def test_a_monitor_given_in_code_that_no_tag_can_be_is_refused_at_construction(c
     assert len(str(err.value)) < 300
 
 
+_PASTED = "bfloat16" * 12_500  # 100 kB
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: Throughput(compute_dtype=_PASTED), "Throughput: compute_dtype='bfloat16bfloat16"),
+        (lambda: MixedPrecision(resolve_opt_level("O2"), cast_model_outputs=_PASTED), "cast_model_outputs='bfloat16"),
+        (lambda: MixedPrecision(resolve_opt_level("O2"), cast_modules=_PASTED), "got 'bfloat16bfloat16"),
+    ],
+    ids=["compute_dtype", "cast_model_outputs", "cast_modules"],
+)
+def test_a_long_dtype_or_module_name_given_to_a_callback_is_named_by_its_start_and_length(build, named):
+    """A pasted 100 kB value was repeated whole in the error."""
+    with pytest.raises((TypeError, ValueError), match=re.escape(named)) as err:
+        build()
+    assert "... (100002 characters)" in str(err.value) and len(str(err.value)) < 400
+
+
 @pytest.mark.parametrize("monitor", ["val/acc@1", "loss/epoch", "val/top-1 acc", "train/loss", "val/précision"])
 def test_a_monitor_given_in_code_with_an_odd_but_loggable_name_is_taken(monitor):
     assert str(ModelCheckpoint(monitor=monitor).monitor) == str(EarlyStopping(monitor).monitor) == monitor
