@@ -116,8 +116,8 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
     if not isinstance(ckpt, str | os.PathLike):  # str() of it named a file of that name: fit(resume=True) 'True'
         hint = " ('last': the newest run's last checkpoint)" if isinstance(ckpt, bool) else ""
         raise TypeError(
-            f"the checkpoint given is {ckpt!r}, of type {type(ckpt).__name__}; expected a path (str or os.PathLike), "
-            f"'last' or 'best'{hint}"
+            f"the checkpoint given is {shown(ckpt)}, of type {type(ckpt).__name__}; expected a path (str or "
+            f"os.PathLike), 'last' or 'best'{hint}"
         )
     if str(ckpt) == "last":
         return next(filter(None, map(_last_of, reversed(version_dirs(run_dir)))), None)
@@ -1158,7 +1158,9 @@ def prediction_output(
     if not text.strip():
         raise RunDirectoryError("predict --output is empty: name a file to write the predictions to")
     if "\0" in text:  # no file system takes it; os.stat's own ValueError names no option
-        raise RunDirectoryError(f"predict --output {text!r} holds a NUL character, which no path can; name a file")
+        raise RunDirectoryError(
+            f"predict --output {shown(text, 300)} holds a NUL character, which no path can; name a file"
+        )
     path = Path(text)
     if path.is_dir() and not is_sharded_checkpoint(path) or text.endswith(("/", os.sep)):
         path = path / PREDICTIONS_FILE
