@@ -153,22 +153,24 @@ def check_metrics(metrics: Any, method: str) -> dict[str, Any]:
         if not isinstance(key, str) or not key.strip():  # logged under val/<name>: 'val/3', or 'val/' for ''
             what = "an empty name" if isinstance(key, str) else f"a name that is {type(key).__name__}"
             raise UserCodeError(
-                f"{method} returned metric {key!r}, {what}; each metric is named by a non-empty string such as 'mse'"
+                f"{method} returned metric {shown(key)}, {what}; each metric is named by a non-empty string such "
+                "as 'mse'"
             )
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             if isinstance(value, torch.Tensor) and value.is_complex():  # float() of it fails naming neither
                 raise UserCodeError(
-                    f"{method} returned metric {key!r} as a {value.dtype} tensor; each metric is a real number (take "
-                    ".abs() or .real)"
+                    f"{method} returned metric {shown(key)} as a {value.dtype} tensor; each metric is a real number "
+                    "(take .abs() or .real)"
                 )
             shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
             raise UserCodeError(
-                f"{method} returned metric {key!r} as a {type(value).__name__}{shape}; each metric is a number or a "
-                "one-element tensor (reduce it: .mean())"
+                f"{method} returned metric {shown(key)} as a {type(value).__name__}{shape}; each metric is a number "
+                "or a one-element tensor (reduce it: .mean())"
             )
-        refuse_beyond_float(f"{method} returned metric {key!r}", value)
+        if beyond_float(value):  # named only when refused: this runs for every metric of every step
+            refuse_beyond_float(f"{method} returned metric {shown(key)}", value)
     return metrics
 
 
@@ -336,7 +338,7 @@ def _named_settings(cfg: DictConfig, message: str) -> str:
     """`` (config: data.batch_size=0)``: the keys of the Trainer's own config sections that ``message`` names."""
     own = {key: value for key, value in flatten(cfg, sep=".").items() if key.partition(".")[0] not in AMPKIT_KEYS}
     named = [
-        f"{key}={value!r}"
+        f"{key}={shown(value)}"
         for key, value in own.items()
         if len(leaf := key.rpartition(".")[2]) >= 3 and re.search(rf"\b{re.escape(leaf)}\b", message)
     ]
