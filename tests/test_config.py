@@ -172,6 +172,24 @@ def test_a_long_override_is_named_by_its_start_and_length(override, expected):
     assert len(str(err.value)) < 1000
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("compile", ["Block"] * 2000 + [""], r"'trainer.compile': \['Block', .{70}\.\.\. \(18004 characters\) is"),
+        ("compile_mode", "max" * 30_000, r"'trainer.compile_mode': 'max.{76}\.\.\. \(90002 characters\) is invalid"),
+        ("activation_checkpointing", ["Block"] * 2000 + [""], r"\(18004 characters\) is invalid; expected a list"),
+    ],
+    ids=["compile", "compile_mode", "activation_checkpointing"],
+)
+def test_a_long_model_setup_setting_is_named_by_its_start_and_length(tmp_path, key, value, named):
+    """A pasted list of 2000 names, or a 90 kB mode, was repeated whole in the error."""
+    cfg = toy_cfg(tmp_path)
+    cfg["trainer"][key] = value
+    with pytest.raises(ConfigError, match=named) as err:
+        ToyTrainer(cfg).fit()
+    assert len(str(err.value)) < 400
+
+
 def test_a_long_padded_foreign_spelling_is_named_by_its_start_and_length(tmp_path):
     """The note on what a foreign spelling means repeated the value whole."""
     cfg = toy_cfg(tmp_path)
