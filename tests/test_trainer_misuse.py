@@ -564,6 +564,24 @@ _PASTED = "bfloat16" * 12_500  # 100 kB
 @pytest.mark.parametrize(
     ("build", "named"),
     [
+        (lambda: ModelCheckpoint(save_top_k=_PASTED, monitor="val/loss"), "save_top_k 'bfloat16bfloat16"),
+        (lambda: EarlyStopping("val/loss", mode=_PASTED), "mode 'bfloat16bfloat16"),
+        (lambda: DistributedSync(grad_sync=_PASTED), "grad_sync must be 'ddp', 'step' or 'fsdp', got 'bfloat16"),
+        (lambda: DistributedSync(ddp_kwargs=list(range(20_000))), "got [0, 1, 2, 3, 4, 5,"),
+        (lambda: ProgressBar(refresh_s=_PASTED), "ProgressBar: refresh_s='bfloat16bfloat16"),
+    ],
+    ids=["save_top_k", "mode", "grad_sync", "ddp_kwargs", "refresh_s"],
+)
+def test_a_long_option_given_to_a_callback_is_named_by_its_start_and_length(build, named):
+    """A pasted 100 kB value, or a list of 20000 items, was repeated whole in the error."""
+    with pytest.raises((TypeError, ValueError), match=re.escape(named)) as err:
+        build()
+    assert re.search(r"\.\.\. \(\d+ characters\)", str(err.value)) and len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
         (lambda: Throughput(compute_dtype=_PASTED), "Throughput: compute_dtype='bfloat16bfloat16"),
         (lambda: MixedPrecision(resolve_opt_level("O2"), cast_model_outputs=_PASTED), "cast_model_outputs='bfloat16"),
         (lambda: MixedPrecision(resolve_opt_level("O2"), cast_modules=_PASTED), "got 'bfloat16bfloat16"),

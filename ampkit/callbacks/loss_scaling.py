@@ -109,7 +109,7 @@ class LossScaling(Callback):
             ("max_overflows_at_min_scale", max_overflows_at_min_scale),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{option}={value!r}: expected an integer >= 0 (0 disables it)")
+                raise ValueError(f"{option}={shown(value)}: expected an integer >= 0 (0 disables it)")
         self.num_losses = num_losses
         self.combine_grad = checked_switch("LossScaling", "combine_grad", combine_grad)
         self.warn_consecutive_skips = warn_consecutive_skips

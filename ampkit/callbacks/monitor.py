@@ -20,7 +20,7 @@ MODES = ("min", "max")
 def check_mode(mode: Any) -> None:
     """Raise a ValueError naming ``mode`` unless it is one of :data:`MODES`."""
     if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode {mode!r} is invalid; expected one of {', '.join(MODES)}")
+        raise ValueError(f"mode {shown(mode)} is invalid; expected one of {', '.join(MODES)}")
 
 
 class Monitor:
