@@ -40,7 +40,7 @@ from ampkit.trainer.preemption import (
 )
 from ampkit.trainer.run_life import RunDirectoryError, loop_of, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
 # NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader),
@@ -108,7 +108,8 @@ class _GivenOnce(argparse.Action):
     ) -> None:
         if self._given and self._given[0] != values:
             hint = " (a config's keys are changed by key=value overrides after it)" if self.dest == "config" else ""
-            parser.error(f"argument {option}: given twice ({self._given[0]!r}, then {values!r}); give it once{hint}")
+            first, then = shown(self._given[0], 300), shown(values, 300)  # a path whole; a pasted 100 kB text not
+            parser.error(f"argument {option}: given twice ({first}, then {then}); give it once{hint}")
         self._given.append(values)
         setattr(namespace, self.dest, values)
 

@@ -250,11 +250,13 @@ _FINITE_NUMBER = (lambda v: -math.inf < v < math.inf), "a finite number"
 
 def names_a_metric(value: str) -> bool:
     """Whether a monitor's text names a metric: not blank, and not blank after its ``val/`` or ``train/`` prefix
-    (``""`` monitored nothing, silently; ``"val/"`` looked for a metric with no name)."""
-    return bool(re.sub(r"^\s*(val|train)/", "", value).strip())
+    (``""`` monitored nothing, silently; ``"val/"`` looked for a metric with no name), and printable: a newline, tab
+    or other control character is in no tag a run logs, so the monitor failed only at the first validation."""
+    return value.isprintable() and bool(re.sub(r"^\s*(val|train)/", "", value).strip())
 
 
-_METRIC_NAME = names_a_metric, "a metric's name, such as val/loss"
+METRIC_NAME_RULE = "a metric's name (printable text: no newline, tab or control character), such as val/loss"
+_METRIC_NAME = names_a_metric, METRIC_NAME_RULE
 
 # Every integer key holds a 64-bit integer: torch, islice and DataLoader take nothing larger (trainer.seed has its
 # own range: torch takes any seed that a signed or unsigned 64-bit integer holds).
@@ -420,7 +422,7 @@ def check_values(cfg: DictConfig) -> None:
             same = _FOREIGN_SPELLINGS.get(key, {}).get(str(value).strip().lower())
             problems.append(
                 f"config key '{key}': {shown(value)} is invalid; expected {valid}"
-                + (f" ({value!r} is {same})" if same else "")
+                + (f" ({shown(value)} is {same})" if same else "")
             )
     if not problems and (problem := _top_k_without_monitor(cfg)) is not None:
         problems.append(problem)
@@ -667,8 +669,8 @@ def _interpolated_non_bool(cfg: DictConfig, prefix: str = "") -> ConfigError | N
             )._value()
             if not _reads_as_bool(resolved):
                 return ConfigError(
-                    f"config key '{prefix}{key}': {raw!r} gives {resolved!r}, which is not a boolean; expected true or "
-                    "false (also yes/no, on/off, 1/0)"
+                    f"config key '{prefix}{key}': {shown(raw)} gives {shown(resolved)}, which is not a boolean; "
+                    "expected true or false (also yes/no, on/off, 1/0)"
                 )
     return None
 
@@ -706,7 +708,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
             length = _tuple_length(child)
             if length is not None and isinstance(value, list | tuple) and len(value) != length:
                 return ConfigError(  # OmegaConf's own error names no key ("TupleConfig length 1 does not match")
-                    f"config key '{prefix}{key}': {list(value)!r} has {counted(len(value), 'item')}; "
+                    f"config key '{prefix}{key}': {shown(list(value))} has {counted(len(value), 'item')}; "
                     f"expected {length} (e.g. {prefix}{key}={list(child)})"
                 )
             if (isinstance(child, ListConfig) or length is not None) and not isinstance(value, list | tuple):
@@ -761,30 +763,30 @@ def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:
         # Hydra's "+key=value" (add) and "++key=value" (add or override): the schema decides which keys exist.
         key = key.removeprefix("++").removeprefix("+")
         if key.startswith("~"):  # Hydra's deletion: read as a key named '~trainer...' or as no key=value at all
-            name = key[1:] or "the key"
+            name = key[1:] if 1 < len(key) <= 81 else "the key"  # a long one is shown in the item
             raise ConfigError(
-                f"override '{item}': removing a key (Hydra's '~') is not supported, as every key of the schema has a "
-                f"value; leave out the override to keep {name}'s default, or set it ({name}=<value>)"
+                f"override {shown(item)}: removing a key (Hydra's '~') is not supported, as every key of the schema "
+                f"has a value; leave out the override to keep {name}'s default, or set it ({name}=<value>)"
             )
         if not equals or not key:
             after = overrides[index + 1 : index + 2]
             meant = (  # "trainer.max_epochs 3": LightningCLI's and argparse's spelling, a space for the '='
                 f"; a value after a space is not taken: write {key}={after[0]}"
-                if key and after and "=" not in after[0]
+                if key and after and "=" not in after[0] and len(key + after[0]) <= 80  # else the example
                 else " (e.g. trainer.max_epochs=3)"
             )
-            raise ConfigError(f"override '{item}' is not of the form key=value{meant}")
+            raise ConfigError(f"override {shown(item)} is not of the form key=value{meant}")
         if not all(part.strip() == part and part for part in key.split(".")):
             raise ConfigError(
-                f"override '{item}': key '{key}' has an empty or space-padded part; expected a dotted key such as "
-                "trainer.max_epochs"
+                f"override {shown(item)}: key {shown(key)} has an empty or space-padded part; expected a dotted key "
+                "such as trainer.max_epochs"
             )
         try:
             OmegaConf.from_dotlist([f"{key}={value}"])
         except Exception as exc:  # OmegaConf's own errors and the YAML parser's (an unclosed [ or {)
             reason = (getattr(exc, "problem", None) or getattr(exc, "msg", None) or str(exc)).splitlines()[0]
             raise ConfigError(
-                f"override '{item}': cannot read the value {value!r} ({reason}); quote a string "
+                f"override {shown(item)}: cannot read the value {shown(value)} ({reason}); quote a string "
                 f"(key='\"...\"'), close a list or mapping (key=[a, b], key={{a: 1}})"
             ) from None
         pairs.append((key, value))

@@ -159,6 +159,15 @@ def test_an_option_given_twice_with_two_values_is_refused_naming_both(tmp_path, 
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_option_given_twice_with_a_long_value_names_it_by_its_start_and_length(tmp_path, capsys):
+    """A pasted 100 kB value was repeated whole in the usage error."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", _config(tmp_path), "--resume", "last", "--resume", "x" * 100_000, "--print-config"])
+    err = capsys.readouterr().err
+    assert "given twice ('last', then 'xxxx" in err and "... (100002 characters)); give it once" in err
+    assert len(err) < 2000
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "override", "message"),
     [

@@ -152,6 +152,53 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_config(tmp_path)
 
 
+_LONG = "x" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("~" + _LONG, r"override '~x{78}\.\.\. \(100003 characters\): removing a key .* keep the key's default"),
+        (_LONG, r"override 'x{79}\.\.\. \(100002 characters\) is not of the form key=value \(e\.g\."),
+        (f"trainer..{_LONG}=1", r"override 'trainer\.\.x{70}\.\.\. \(100013 characters\): key 'trainer\.\.x{70}"),
+        ("trainer.max_epochs=[" + "1," * 50_000, r"cannot read the value '\[1,1,.{74}\.\.\. \(100003 characters\)"),
+    ],
+    ids=["removal", "no equals", "empty part", "unclosed list"],
+)
+def test_a_long_override_is_named_by_its_start_and_length(override, expected):
+    """A pasted 100 kB override was repeated whole, in some messages twice."""
+    with pytest.raises(ConfigError, match=expected) as err:
+        load_config(REPO / "configs/digits.yaml", [override])
+    assert len(str(err.value)) < 1000
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("compile", ["Block"] * 2000 + [""], r"'trainer.compile': \['Block', .{70}\.\.\. \(18004 characters\) is"),
+        ("compile_mode", "max" * 30_000, r"'trainer.compile_mode': 'max.{76}\.\.\. \(90002 characters\) is invalid"),
+        ("activation_checkpointing", ["Block"] * 2000 + [""], r"\(18004 characters\) is invalid; expected a list"),
+    ],
+    ids=["compile", "compile_mode", "activation_checkpointing"],
+)
+def test_a_long_model_setup_setting_is_named_by_its_start_and_length(tmp_path, key, value, named):
+    """A pasted list of 2000 names, or a 90 kB mode, was repeated whole in the error."""
+    cfg = toy_cfg(tmp_path)
+    cfg["trainer"][key] = value
+    with pytest.raises(ConfigError, match=named) as err:
+        ToyTrainer(cfg).fit()
+    assert len(str(err.value)) < 400
+
+
+def test_a_long_padded_foreign_spelling_is_named_by_its_start_and_length(tmp_path):
+    """The note on what a foreign spelling means repeated the value whole."""
+    cfg = toy_cfg(tmp_path)
+    cfg["precision"] = {"opt_level": " " * 100_000 + "o1"}
+    with pytest.raises(ConfigError, match=r"\(' {79}\.\.\. \(100004 characters\) is opt_level O1,") as err:
+        ToyTrainer(cfg)
+    assert len(str(err.value)) < 600
+
+
 @pytest.mark.parametrize(
     ("key", "value", "expected"),
     [
@@ -207,6 +254,41 @@ def test_invalid_values_are_rejected_at_construction(tmp_path, key, value, expec
     with pytest.raises(ConfigError, match=expected) as err:
         ToyTrainer(toy_cfg(tmp_path, **{key: value}))
     assert key in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["checkpoint.monitor", "early_stopping.monitor"])
+@pytest.mark.parametrize(
+    "monitor",
+    ["val/loss\nval/acc", "val/\tloss", "val/loss\x00", "val/" + "x" * 100_000 + "\r"],
+    ids=["newline", "tab", "nul", "100kB"],
+)
+def test_a_monitor_no_logged_tag_can_hold_is_refused_when_the_trainer_is_built(tmp_path, key, monitor):
+    """A newline, tab or other control character is in no tag a run logs: such a monitor was accepted and failed only
+    at the first validation, repeating a pasted 100 kB value whole."""
+    cfg = toy_cfg(tmp_path)
+    section, name = key.split(".")
+    cfg[section] = {name: monitor}
+    with pytest.raises(ConfigError, match=f"'{key}': .* is invalid; .*no newline, tab or control character") as err:
+        ToyTrainer(cfg)
+    assert len(str(err.value)) < 400
+
+
+def test_a_long_monitor_is_named_by_its_start_and_length_when_it_cannot_be_met(tmp_path):
+    """A pasted 100 kB name is a legal tag; a message about it named all of it."""
+    cfg = toy_cfg(tmp_path, **{"trainer.val_every_n_epochs": 0, "trainer.val_every_n_steps": 0})
+    cfg["checkpoint"] = {"monitor": "val/" + "x" * 100_000}
+    with pytest.raises(
+        ConfigError, match=r"monitors 'val/x{75}\.\.\. \(100006 characters\), but validation never"
+    ) as err:
+        ToyTrainer(cfg)
+    assert len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize("monitor", ["val/acc@1", "loss/epoch", "val/top-1 acc", "train/loss", "val/précision"])
+def test_odd_but_loggable_monitor_names_are_taken(tmp_path, monitor):
+    cfg = toy_cfg(tmp_path)
+    cfg["early_stopping"] = {"monitor": monitor}
+    assert ToyTrainer(cfg).cfg.early_stopping.monitor == monitor
 
 
 def test_a_huge_num_losses_is_refused_instead_of_making_a_scaler_for_each(tmp_path):
@@ -382,6 +464,11 @@ def test_yaml_and_command_line_booleans_still_read(tmp_path):
     [
         ("[0.9]", r"\[0.9\] has 1 item; expected 2 \(e.g. optim.betas=\[0.9, 0.95\]\)"),
         ("[0.9,0.9,0.9]", r"\[0.9, 0.9, 0.9\] has 3 items; expected 2"),
+        pytest.param(  # a pasted list is named by its start and length, not repeated whole
+            "[" + "0.9," * 1000 + "]",
+            r"\[0.9, 0.9, .{69}\.\.\. \(5000 characters\) has 1000 items; expected 2 \(",
+            id="1000 items",
+        ),
         ("abc", r"'abc' is not a list; expected a list, e.g. optim.betas=\[0.9, 0.95\]"),
     ],
 )

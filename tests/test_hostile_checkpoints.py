@@ -276,6 +276,19 @@ def test_a_sharded_checkpoint_torn_in_a_shard_is_refused_naming_the_shard_file(t
             ToyTrainer(toy_cfg(tmp_path / "eval", **QUIET)).validate(ckpt=last)
 
 
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [(10**5000, "an integer of 5001 digits, of type int"), (list(range(10**6)), "[0, 1, 2, 3, ")],
+    ids=["5001 digits", "a million items"],
+)
+def test_a_checkpoint_given_as_a_huge_non_path_is_named_by_its_start_and_length(tmp_path, given, named):
+    """repr() of an integer of 5001 digits raised its own ValueError, and a list was repeated whole."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(TypeError, match=f"^the checkpoint given is {re.escape(named)}") as err:
+        trainer.validate(ckpt=given)
+    assert len(str(err.value)) < 400
+
+
 @pytest.mark.parametrize("given", [True, 5, b"last"], ids=["True", "an int", "bytes"])
 @pytest.mark.parametrize("call", ["fit", "validate", "predict", "load_model"])
 def test_a_checkpoint_given_as_no_path_names_its_type_and_writes_nothing(tmp_path, trained, monkeypatch, call, given):

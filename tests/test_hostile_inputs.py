@@ -597,6 +597,11 @@ def test_ctrl_c_while_pruning_then_resume_matches_an_uninterrupted_run(tmp_path,
         (["validate", "--ckpt", ""], "the checkpoint path is empty: pass a path, 'last' or 'best'"),
         (["predict", "--output", ""], "predict --output is empty: name a file"),
         (["predict", "--output", "p\0.pt"], "predict --output 'p\\x00.pt' holds a NUL character, which no path can"),
+        pytest.param(  # a pasted 100 kB value is named by its start and length
+            ["predict", "--output", "p" * 100_000 + "\0"],
+            f"predict --output '{'p' * 299}... (100006 characters) holds a NUL character",
+            id="long NUL",
+        ),
     ],
 )
 def test_an_empty_path_is_named_as_empty(trained, capsys, argv, message):

@@ -170,6 +170,11 @@ def _step(sgd):
             r"lr_scheduler monitor 'val/' names no metric; give one such as 'val/loss', or None",
             id="monitor a prefix alone",
         ),
+        pytest.param(  # a newline is in no tag a run logs; a pasted 100 kB one is named by its start and length
+            lambda sgd: {"optimizer": sgd, "lr_scheduler": {"scheduler": _plateau(sgd), "monitor": "val/a\n" * 20_000}},
+            r"lr_scheduler monitor 'val/a\\nval.{69}\.\.\. \(140002 characters\) names no metric; .*no newline",
+            id="monitor a long text of lines",
+        ),
         pytest.param(
             lambda sgd: {"optimizer": sgd, "lr_scheduler": _plateau(sgd), "monitor": ""},
             r"monitor '' names no metric; give one such as 'val/loss', or None",

@@ -539,6 +539,67 @@ def test_a_callback_built_by_hand_refuses_a_value_of_the_wrong_kind_naming_it(bu
         build()
 
 
+@pytest.mark.parametrize("callback", [ModelCheckpoint, EarlyStopping])
+@pytest.mark.parametrize(
+    ("monitor", "shown"),
+    [
+        ("val/a\nb", r"'val/a\\nb'"),
+        ("val/\tloss", r"'val/\\tloss'"),
+        ("\x1b[0m", r"'\\x1b\[0m'"),
+        ("x" * 100_000 + "\n", r"'x{79}\.\.\. \(100004 characters\)"),
+    ],
+    ids=["newline", "tab", "escape", "100kB"],
+)
+def test_a_monitor_given_in_code_that_no_tag_can_be_is_refused_at_construction(callback, monitor, shown):
+    """A newline or control character is in no tag a run logs: such a monitor was taken and failed only at the first
+    validation, repeating a pasted 100 kB value whole."""
+    with pytest.raises(ValueError, match=f"monitor {shown} is invalid; expected .*no newline, tab or control") as err:
+        callback(monitor=monitor)
+    assert len(str(err.value)) < 300
+
+
+_PASTED = "bfloat16" * 12_500  # 100 kB
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: ModelCheckpoint(save_top_k=_PASTED, monitor="val/loss"), "save_top_k 'bfloat16bfloat16"),
+        (lambda: EarlyStopping("val/loss", mode=_PASTED), "mode 'bfloat16bfloat16"),
+        (lambda: DistributedSync(grad_sync=_PASTED), "grad_sync must be 'ddp', 'step' or 'fsdp', got 'bfloat16"),
+        (lambda: DistributedSync(ddp_kwargs=list(range(20_000))), "got [0, 1, 2, 3, 4, 5,"),
+        (lambda: ProgressBar(refresh_s=_PASTED), "ProgressBar: refresh_s='bfloat16bfloat16"),
+    ],
+    ids=["save_top_k", "mode", "grad_sync", "ddp_kwargs", "refresh_s"],
+)
+def test_a_long_option_given_to_a_callback_is_named_by_its_start_and_length(build, named):
+    """A pasted 100 kB value, or a list of 20000 items, was repeated whole in the error."""
+    with pytest.raises((TypeError, ValueError), match=re.escape(named)) as err:
+        build()
+    assert re.search(r"\.\.\. \(\d+ characters\)", str(err.value)) and len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: Throughput(compute_dtype=_PASTED), "Throughput: compute_dtype='bfloat16bfloat16"),
+        (lambda: MixedPrecision(resolve_opt_level("O2"), cast_model_outputs=_PASTED), "cast_model_outputs='bfloat16"),
+        (lambda: MixedPrecision(resolve_opt_level("O2"), cast_modules=_PASTED), "got 'bfloat16bfloat16"),
+    ],
+    ids=["compute_dtype", "cast_model_outputs", "cast_modules"],
+)
+def test_a_long_dtype_or_module_name_given_to_a_callback_is_named_by_its_start_and_length(build, named):
+    """A pasted 100 kB value was repeated whole in the error."""
+    with pytest.raises((TypeError, ValueError), match=re.escape(named)) as err:
+        build()
+    assert "... (100002 characters)" in str(err.value) and len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize("monitor", ["val/acc@1", "loss/epoch", "val/top-1 acc", "train/loss", "val/précision"])
+def test_a_monitor_given_in_code_with_an_odd_but_loggable_name_is_taken(monitor):
+    assert str(ModelCheckpoint(monitor=monitor).monitor) == str(EarlyStopping(monitor).monitor) == monitor
+
+
 def test_a_callback_built_by_hand_takes_what_its_config_key_takes():
     """The checks above refuse no value the config passes, nor the obvious spellings of one."""
     assert ModelCheckpoint(mode="max").monitor is None  # a mode without a monitor: checked, then unused

@@ -255,11 +255,31 @@ class HugeIntLogged(ToyTrainer):
         return super().training_step(batch)
 
 
+class LongMetricName(ToyTrainer):  # a pasted 100 kB name was repeated whole
+    def validation_step(self, batch):
+        return {"m" * 100_000: "0.5"}
+
+
+class HugeNegativeBatchSize(ToyTrainer):  # repr() of it raised its own ValueError in place of log()'s error
+    def training_step(self, batch):
+        self.log("train/count", 1.0, batch_size=-(10**5000))
+        return super().training_step(batch)
+
+
 class LossIdList(ToyTrainer):
     automatic_optimization = False
 
     def training_step(self, batch):
         self.backward(super().training_step(batch), loss_id=[1])
+
+
+class LongLossIds(ToyTrainer):
+    """repr() of an integer of 5001 digits raises: the loss's own error became a bare ValueError."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        self.backward(super().training_step(batch).expand(2), loss_id=10**5000)
 
 
 class LossIdTensor(ToyTrainer):
@@ -338,8 +358,11 @@ class EmptyBatch(ToyTrainer):
         # both were a bare "OverflowError: int too large to convert to float" from the mean or a logger
         ("HugeIntMetric", "returned metric 'mse': an integer of 401 digits is beyond a float's range (+-1.8e308)"),
         ("HugeIntLogged", "log('train/count'): an integer of 401 digits is beyond a float's range (+-1.8e308)"),
+        ("LongMetricName", f"returned metric '{'m' * 79}... (100002 characters) as a str; each metric is a number"),
+        ("HugeNegativeBatchSize", "log('train/count', batch_size=an integer of 5001 digits): "),
         ("LossIdList", "backward(loss_id=[1]): a loss id is a name or an integer, not a list"),
         ("LossIdTensor", "backward(loss_id=tensor(0)): a loss id is a name or an integer, not a Tensor"),
+        ("LongLossIds", "the loss of loss_id an integer of 5001 digits has shape (2,); expected a scalar"),
         ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),
         ("PlateauWithoutMonitor", "a ReduceLROnPlateau steps on a metric: name it with 'monitor'"),
         ("NoOptimizersListed", "configure_optimizers() returned an empty list of optimizers"),

@@ -43,6 +43,7 @@ from ampkit.trainer.sharded_checkpoint import (
     write_failure,
 )
 from ampkit.trainer.waiting import barrier
+from ampkit.wording import shown
 
 
 class ModelCheckpoint(KeyedByMonitor):
@@ -92,7 +93,7 @@ class ModelCheckpoint(KeyedByMonitor):
         ):  # True kept one file, a str failed in a comparison, 2.5 ranked 2.5 files
             zero = f"; {LIGHTNING_ZERO['save_top_k']}" if save_top_k == 0 and save_top_k is not False else ""
             raise ValueError(
-                f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one){zero}"
+                f"save_top_k {shown(save_top_k)} is invalid; expected an integer >= 1, or -1 (keep every one){zero}"
             )
         save_top_k = int(save_top_k)
         # 0 or "" was no monitor, silently (the config refuses a blank one)

@@ -22,6 +22,7 @@ from ampkit.trainer.distributed import DistributedError, diagnose_failure, is_co
 from ampkit.trainer.model_setup import compiles_whole_model
 from ampkit.trainer.param_groups import TrainableParams
 from ampkit.trainer.user_code import UserCodeError
+from ampkit.wording import shown
 
 
 class DistributedSync(Callback):
@@ -43,7 +44,7 @@ class DistributedSync(Callback):
     def __init__(self, grad_sync: str = "ddp", ddp_kwargs: dict[str, Any] | None = None,
                  sync_batchnorm: bool = False, failure_wait_s: float = 5.0) -> None:  # fmt: skip
         if grad_sync not in ("ddp", "step", "fsdp"):
-            raise ValueError(f"DistributedSync: grad_sync must be 'ddp', 'step' or 'fsdp', got {grad_sync!r}")
+            raise ValueError(f"DistributedSync: grad_sync must be 'ddp', 'step' or 'fsdp', got {shown(grad_sync)}")
         self.grad_sync = grad_sync
         self.ddp_kwargs = _checked_ddp_kwargs(ddp_kwargs)
         self.sync_batchnorm = checked_switch("DistributedSync", "sync_batchnorm", sync_batchnorm)
@@ -234,7 +235,8 @@ def _checked_ddp_kwargs(ddp_kwargs: Any) -> dict[str, Any]:
         return {}
     if not isinstance(ddp_kwargs, Mapping):
         raise TypeError(
-            f"DistributedSync: ddp_kwargs must be a dict of DistributedDataParallel options or None, got {ddp_kwargs!r}"
+            "DistributedSync: ddp_kwargs must be a dict of DistributedDataParallel options or None, got "
+            f"{shown(ddp_kwargs)}"
         )
     params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
     options = [name for name in params if name not in ("self", "module", "device_ids")]

@@ -16,7 +16,7 @@ from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
-from ampkit.wording import beyond_float, counted, integer_digits, shown
+from ampkit.wording import beyond_float, counted, shown
 
 
 class EarlyStoppingReason(Enum):
@@ -71,8 +71,7 @@ class EarlyStopping(KeyedByMonitor):
                 or beyond_float(value)
                 or not math.isfinite(value)
             ):  # a str (or an int no float holds) failed in math.isfinite naming neither; True was a threshold of 1
-                shown = integer_digits(value) if beyond_float(value) else repr(value)
-                raise ValueError(f"{name} {shown} is invalid; expected a finite number or None")
+                raise ValueError(f"{name} {shown(value)} is invalid; expected a finite number or None")
         if (
             stopping_threshold is not None
             and divergence_threshold is not None

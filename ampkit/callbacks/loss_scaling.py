@@ -35,7 +35,7 @@ from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.param_groups import TrainableParams
 from ampkit.trainer.state import BackwardState, loss_id_key
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 # torch's anomaly detection on a NaN that a backward returned
 _ANOMALY_NAN = re.compile(r"Function '\w+' returned nan values")
@@ -109,7 +109,7 @@ class LossScaling(Callback):
             ("max_overflows_at_min_scale", max_overflows_at_min_scale),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{option}={value!r}: expected an integer >= 0 (0 disables it)")
+                raise ValueError(f"{option}={shown(value)}: expected an integer >= 0 (0 disables it)")
         self.num_losses = num_losses
         self.combine_grad = checked_switch("LossScaling", "combine_grad", combine_grad)
         self.warn_consecutive_skips = warn_consecutive_skips
@@ -255,7 +255,8 @@ class LossScaling(Callback):
         if limit and self._overflows_at_min[key] >= limit:
             floor = f"min_scale={scaler.min_scale}" if scaler.floor == scaler.min_scale else f"its floor {scaler.floor}"
             raise NonFiniteError(
-                f"loss_id {loss_id!r} overflowed in every iteration since step {self._overflowing_since.get(key)}, "
+                f"loss_id {shown(loss_id)} overflowed in every iteration since step "
+                f"{self._overflowing_since.get(key)}, "
                 f"the last {self._overflows_at_min[key]} at {floor}: its gradients are non-finite whatever the "
                 "scale (a NaN/inf loss or input, or parameters already non-finite?). Lower precision.min_scale or "
                 "fix the loss."

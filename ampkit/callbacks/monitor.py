@@ -7,11 +7,12 @@ import math
 import numbers
 from typing import Any
 
-from ampkit.config import names_a_metric
+from ampkit.config import METRIC_NAME_RULE, names_a_metric
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.optimizers import MonitorNotFoundError
 from ampkit.trainer.sanity import is_training_metric, unprefixed_note
+from ampkit.wording import shown
 
 MODES = ("min", "max")
 
@@ -19,7 +20,7 @@ MODES = ("min", "max")
 def check_mode(mode: Any) -> None:
     """Raise a ValueError naming ``mode`` unless it is one of :data:`MODES`."""
     if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode {mode!r} is invalid; expected one of {', '.join(MODES)}")
+        raise ValueError(f"mode {shown(mode)} is invalid; expected one of {', '.join(MODES)}")
 
 
 class Monitor:
@@ -28,11 +29,12 @@ class Monitor:
 
     def __init__(self, metric: str, mode: str = "min", min_delta: float = 0.0, key: str | None = None) -> None:
         if not isinstance(metric, str) or not names_a_metric(metric):  # an int failed in str.startswith, naming neither
-            raise ValueError(f"monitor {metric!r} is invalid; expected a metric's name, such as val/loss")
+            raise ValueError(f"monitor {shown(metric)} is invalid; expected {METRIC_NAME_RULE}")
         check_mode(mode)
         if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real) or not 0 <= min_delta < math.inf:
             raise ValueError(f"min_delta {min_delta!r} is invalid; expected a finite number >= 0")
         self.metric = metric
+        self.shown = shown(metric)  # how messages name it: a pasted 100 kB name by its start and length
         self.per_epoch = is_training_metric(metric)
         self.key = metric if self.per_epoch else metric.removeprefix("val/")
         self.mode = mode
@@ -56,11 +58,11 @@ class Monitor:
         logged = trainer.validation_end_values
         returned = ", ".join(f"val/{m}" for m in sorted(metrics)) or "nothing"
         raise MonitorNotFoundError(
-            f"{self._named()}: '{self.metric}' is not a metric of the validation at step {trainer.state.global_step}, "
+            f"{self._named()}: {self.shown} is not a metric of the validation at step {trainer.state.global_step}, "
             f"which returned {returned}"
             + (f" and logged {', '.join(sorted(logged))} in on_validation_end" if logged else "")
             + f"; validation_step must return a monitored metric at every validation, or a callback or the Trainer "
-            f"log it in on_validation_end with self.log('{self.metric}', value)"
+            f"log it in on_validation_end with self.log({self.shown}, value)"
         )
 
     def _named(self) -> str:
@@ -74,14 +76,14 @@ class Monitor:
         t = trainer.settings
         if self.per_epoch or (trainer.num_val_batches != 0 and (t.val_every_n_epochs or t.val_every_n_steps)):
             return
-        which = f"config key '{self.setting}'" if self.setting else f"monitor '{self.metric}'"
+        which = f"config key '{self.setting}'" if self.setting else f"monitor {self.shown}"
         why = (  # num_val_batches is 0 for both: validation turned off says so first
             "trainer.val_every_n_epochs=0 and trainer.val_every_n_steps=0"
             if not (t.val_every_n_epochs or t.val_every_n_steps)
             else "no val_dataloader()"
         )
         raise MonitorNotFoundError(
-            f"{which}: '{self.metric}' is a validation metric, but this run never validates ({why}), so nothing "
+            f"{which}: {self.shown} is a validation metric, but this run never validates ({why}), so nothing "
             f"would be ranked or stopped on it; validate, or monitor a training value: a train/ tag logged with "
             "self.log(..., on_epoch=True), checked at each epoch's end"
         )
@@ -97,16 +99,16 @@ class Monitor:
             return float(value)
         names = broadcast_object(trainer.monitor_value_names(), trainer.dist)
         if unprefixed := unprefixed_note(self.metric, names):
-            advice = f"{unprefixed}log it as self.log('{self.metric}', value, on_epoch=True)"
+            advice = f"{unprefixed}log it as self.log({self.shown}, value, on_epoch=True)"
         else:
             others = [name for name in names if is_training_metric(name)]
             instead = f"monitor one of {', '.join(others)}, or " if others else ""
             advice = (
-                f"{instead}log '{self.metric}' in every epoch, e.g. self.log('{self.metric}', loss, on_epoch=True) "
+                f"{instead}log {self.shown} in every epoch, e.g. self.log({self.shown}, loss, on_epoch=True) "
                 "in training_step, or monitor a value training_step returns (train/loss: its loss)"
             )
         raise MonitorNotFoundError(
-            f"{self._named()}: '{self.metric}' is no epoch mean of epoch {trainer.state.epoch}, which logged "
+            f"{self._named()}: {self.shown} is no epoch mean of epoch {trainer.state.epoch}, which logged "
             f"{', '.join(names) or 'none'}; {advice}"
         )
 

@@ -22,6 +22,7 @@ from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 from ampkit.trainer.user_code import first_names
+from ampkit.wording import shown
 
 
 def _warn_of_float64(module: torch.nn.Module, opt_level: str, cast_type: torch.dtype) -> None:
@@ -53,7 +54,7 @@ def output_dtype(cast_model_outputs: torch.dtype | str | None) -> torch.dtype | 
         return parse_dtype(name, "cast_model_outputs")
     except ValueError:
         raise ValueError(
-            f"cast_model_outputs={cast_model_outputs!r} is no dtype of a model's outputs; use float32, float16 or "
+            f"cast_model_outputs={shown(cast_model_outputs)} is no dtype of a model's outputs; use float32, float16 or "
             "bfloat16 (null: float32)"
         ) from None
 
@@ -98,14 +99,14 @@ class MixedPrecision(Callback):
         if not isinstance(properties, OptLevelProperties):
             raise TypeError(
                 f"MixedPrecision: properties must be an OptLevelProperties (ampkit.amp.resolve_opt_level('O2')), got "
-                f"{properties!r}"
+                f"{shown(properties)}"
             )
         # a str was read as its letters: "generator" named the modules g, e, n, ... none of which the model has
         names = None if isinstance(cast_modules, str) else _names(cast_modules)
         if names is None:
             raise TypeError(
                 f"MixedPrecision: cast_modules must be a list of module names, such as ['generator'], got "
-                f"{cast_modules!r}"
+                f"{shown(cast_modules)}"
             )
         self.properties = properties
         self.cast_modules = names

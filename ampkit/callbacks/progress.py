@@ -24,7 +24,7 @@ from ampkit.callbacks.precision_config import describe_precision
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.console import console_gone
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 Hook = TypeVar("Hook", bound=Callable[..., None])
 
@@ -101,7 +101,7 @@ class ProgressBar(Callback):
         self.bar = _interactive() if bar is None else checked_switch("ProgressBar", "bar", bar, hint)
         self.every_n_steps = interval_option(every_n_steps, "ProgressBar: every_n_steps")
         if isinstance(refresh_s, bool) or not isinstance(refresh_s, numbers.Real) or not 0 <= refresh_s < math.inf:
-            raise ValueError(f"ProgressBar: refresh_s={refresh_s!r}: expected a finite number of seconds >= 0")
+            raise ValueError(f"ProgressBar: refresh_s={shown(refresh_s)}: expected a finite number of seconds >= 0")
         self.refresh_s = float(refresh_s)
         self._train_bar: Any = None
         self._val_bar: Any = None

@@ -29,7 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from ampkit.amp.opt_levels import parse_dtype
 from ampkit.amp.scaler import interval_option, positive_option
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.wording import beyond_float, integer_digits, type_of
+from ampkit.wording import beyond_float, integer_digits, shown, type_of
 
 # Dense peak TFLOP/s by compute dtype ("tf32": float32 matmuls on tensor cores), from NVIDIA's data sheets.
 # Keys are matched against torch.cuda.get_device_name() lower-cased; longer keys first (h100 nvl before h100).
@@ -80,8 +80,8 @@ def checked_compute_dtype(value: Any) -> torch.dtype | None:
         except ValueError:
             pass
     raise ValueError(
-        f"Throughput: compute_dtype={value!r}: expected None, torch.float32, torch.float16 or torch.bfloat16 (or its "
-        "name, such as 'bfloat16')"
+        f"Throughput: compute_dtype={shown(value)}: expected None, torch.float32, torch.float16 or torch.bfloat16 "
+        "(or its name, such as 'bfloat16')"
     )
 
 

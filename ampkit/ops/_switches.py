@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ampkit.ops._errors import ArgumentTypeError
+from ampkit.wording import shown
 
 
 def is_switch(value: Any) -> bool:
@@ -23,4 +24,4 @@ def checked_switch(owner: str, name: str, value: Any, hint: str = "") -> bool:
     ``name`` and the value (``bool("False")`` is True: a switch read from a config as text would be on)."""
     if is_switch(value):
         return bool(value)
-    raise ArgumentTypeError(f"{owner}: {name} must be True or False, got {value!r}{hint}")
+    raise ArgumentTypeError(f"{owner}: {name} must be True or False, got {shown(value)}{hint}")

@@ -34,7 +34,7 @@ import torch
 from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops._switches import is_switch
 from ampkit.ops.reference import multi_tensor as reference
-from ampkit.wording import beyond_float, integer_digits
+from ampkit.wording import beyond_float, integer_digits, shown
 
 __all__ = [
     "L2Norm",
@@ -175,12 +175,12 @@ def _switch(value: bool, name: str) -> bool:
     a multi-line error, or the reference as truthy."""
     if is_switch(value):
         return bool(value)
-    raise TypeError(f"`{name}` must be True or False, got {value!r}")
+    raise TypeError(f"`{name}` must be True or False, got {shown(value)}")
 
 
 def _arg_to_check(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`arg_to_check` must be -1 (check x and y), 0 (check x) or 1 (check y), got {value!r}")
+        raise TypeError(f"`arg_to_check` must be -1 (check x and y), 0 (check x) or 1 (check y), got {shown(value)}")
     return int(value)
 
 

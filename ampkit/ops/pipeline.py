@@ -20,7 +20,7 @@ from torch import Tensor
 from ampkit.ops import multi_tensor
 from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops.optimizers._base import FusedOptimizer
-from ampkit.wording import beyond_float, integer_digits
+from ampkit.wording import beyond_float, integer_digits, shown
 
 # clip_grad_norm_'s guard against division by zero, kept so clipping matches torch bit for bit in fp32.
 _CLIP_EPS = np.float32(1e-6)
@@ -34,11 +34,11 @@ def _finite_positive(value: float | Tensor, must_be: str) -> float:
             raise ValueError(f"{must_be} a finite number > 0; got a tensor on the meta device, which holds no value")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"{must_be} a finite number > 0; got {value!r} (a {type(value).__name__})")
+        raise ArgumentTypeError(f"{must_be} a finite number > 0; got {shown(value)} (a {type(value).__name__})")
     if beyond_float(value):  # math.isfinite raised a bare OverflowError
         raise ValueError(f"{must_be} a finite number > 0; got {integer_digits(value)}")
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{must_be} a finite number > 0; got {value!r}")
+        raise ValueError(f"{must_be} a finite number > 0; got {shown(value)}")
     return float(value)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ampkit.ops.optimizers import FusedOptimizer
+from ampkit.wording import shown
 
 MODES = ("auto", "host", "device")
 
@@ -32,7 +33,7 @@ def uses_device_verdicts(mode: str, device: torch.device, sharded: bool) -> bool
     """``trainer.skip_verdict`` resolved: ``auto`` keeps verdicts on the device on CUDA only (a host read is free
     on a CPU, and the verdict is then known at once). Sharded runs (FSDP) always read on the host."""
     if mode not in MODES:
-        raise ValueError(f"trainer.skip_verdict must be one of {', '.join(MODES)}; got {mode!r}")
+        raise ValueError(f"trainer.skip_verdict must be one of {', '.join(MODES)}; got {shown(mode)}")
     if sharded or mode == "host":
         return False
     return mode == "device" or device.type == "cuda"

@@ -18,6 +18,7 @@ from torch import nn
 from ampkit.amp import OptLevelProperties
 from ampkit.config import ConfigError, DistributedConfig
 from ampkit.trainer.module_names import has_forward, modules_named
+from ampkit.wording import shown
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -45,7 +46,7 @@ def validate_strategy(cfg: DictConfig) -> None:
         for key, value in fsdp_knobs.items():
             if value is not None:
                 raise ConfigError(
-                    f"config key '{key}' is set ({value!r}) but distributed.strategy is '{d.strategy}'; "
+                    f"config key '{key}' is set ({shown(value)}) but distributed.strategy is '{d.strategy}'; "
                     "FSDP knobs apply only with distributed.strategy: fsdp"
                 )
         return
@@ -82,7 +83,9 @@ def validate_strategy(cfg: DictConfig) -> None:
     for key, (bad, why) in conflicts.items():
         if bad:
             value = OmegaConf.select(cfg, key)
-            raise ConfigError(f"config key '{key}': {value!r} cannot be used with distributed.strategy: fsdp ({why})")
+            raise ConfigError(
+                f"config key '{key}': {shown(value)} cannot be used with distributed.strategy: fsdp ({why})"
+            )
 
 
 def _recipe(precision: DictConfig) -> OptLevelProperties:

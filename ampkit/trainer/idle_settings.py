@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from ampkit.trainer.optimizers import OptimizerSpec, SchedulerSpec
 from ampkit.trainer.sanity import monitored_metrics
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 
 def idle_settings(
@@ -57,7 +57,7 @@ def idle_settings(
             "leaves nothing to resume. Set checkpoint.every_n_steps (and trainer.val_every_n_steps), or "
             "trainer.limit_train_batches for epochs of that many batches"
         )
-    trained = " and ".join(f"{key}='{metric}'" for key, metric in monitored_metrics(cfg, training=True).items())
+    trained = " and ".join(f"{key}={shown(metric)}" for key, metric in monitored_metrics(cfg, training=True).items())
     if batches_per_epoch is None and trained:
         found.append(
             f"train_dataloader() has no length, so an epoch ends only where its data does, and {trained} (an epoch "
@@ -72,7 +72,7 @@ def idle_settings(
                 "val_dataloader() (define it and validation_step, or leave the setting at 0)"
             )
     elif has_validation and (t.val_every_n_epochs > 0 or t.val_every_n_steps > 0):
-        monitors = ", ".join(f"{key}='{metric}'" for key, metric in monitored_metrics(cfg).items())
+        monitors = ", ".join(f"{key}={shown(metric)}" for key, metric in monitored_metrics(cfg).items())
         # The default interval in a run of fewer steps than an epoch (a quick try-out) passes unless monitored.
         asked = monitors or t.val_every_n_steps > 0 or t.val_every_n_epochs > 1
         never = _validation_never_runs(cfg, batches_per_epoch, training_steps) if asked else None

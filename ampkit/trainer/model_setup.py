@@ -37,7 +37,7 @@ from ampkit.trainer.fp8 import convert_model_to_float8
 from ampkit.trainer.fsdp import shard_model
 from ampkit.trainer.module_names import has_forward, modules_named
 from ampkit.trainer.user_code import UserCodeError
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -223,23 +223,23 @@ def validate_model_setup(cfg: DictConfig) -> None:
         _is_list(setting) and len(setting) and all(isinstance(n, str) and n for n in setting)
     ):
         raise ConfigError(
-            f"config key 'trainer.compile': {_plain(setting)!r} is invalid; expected true (the whole model), false, "
-            "or a non-empty list of module class names compiled in place (e.g. [Block])"
+            f"config key 'trainer.compile': {shown(_plain(setting))} is invalid; expected true (the whole model), "
+            "false, or a non-empty list of module class names compiled in place (e.g. [Block])"
         )
     if t.compile_mode not in COMPILE_MODES:
         raise ConfigError(
-            f"config key 'trainer.compile_mode': {t.compile_mode!r} is invalid; "
+            f"config key 'trainer.compile_mode': {shown(t.compile_mode)} is invalid; "
             f"expected one of {', '.join(COMPILE_MODES)}"
         )
     if setting is False and t.compile_mode != "default":
         raise ConfigError(
-            f"config key 'trainer.compile_mode' is set ({t.compile_mode!r}) but trainer.compile is false; "
+            f"config key 'trainer.compile_mode' is set ({shown(t.compile_mode)}) but trainer.compile is false; "
             "set trainer.compile to true or to a list of module classes"
         )
     names = t.activation_checkpointing
     if not all(isinstance(n, str) and n for n in names):
         raise ConfigError(
-            f"config key 'trainer.activation_checkpointing': {_plain(names)!r} is invalid; expected a list of "
+            f"config key 'trainer.activation_checkpointing': {shown(_plain(names))} is invalid; expected a list of "
             "module class names (e.g. [Block])"
         )
 

@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampkit.config import names_a_metric
 from ampkit.trainer.user_code import UserCodeError
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 
 class MonitorNotFoundError(UserCodeError, KeyError):
@@ -113,7 +113,10 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
 def _check_monitor_names_a_metric(monitor: str | None, named: str) -> None:
     """Refuse a monitor that names no metric (``""``, ``"val/"``): the scheduler waited on a value never produced."""
     if monitor is not None and not names_a_metric(monitor):
-        raise UserCodeError(f"{named} {monitor!r} names no metric; give one such as 'val/loss', or None")
+        raise UserCodeError(
+            f"{named} {shown(monitor)} names no metric; give one such as 'val/loss', or None (a metric's name is "
+            "printable text: no newline, tab or control character)"
+        )
 
 
 def step_scheduler(sched: SchedulerSpec, optimizer_name: str, *metric: float) -> None:
@@ -231,8 +234,8 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
                 plateau = isinstance(spec.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
                 if spec.monitor is not None and _takes_no_metric(spec.scheduler):
                     raise UserCodeError(
-                        f"{where}: its {type(spec.scheduler).__name__} has 'monitor': '{spec.monitor}', but it steps "
-                        "without a metric (step(metric) would set its epoch count to the metric's value): leave "
+                        f"{where}: its {type(spec.scheduler).__name__} has 'monitor': {shown(spec.monitor)}, but it "
+                        "steps without a metric (step(metric) would set its epoch count to the metric's value): leave "
                         "'monitor' out of its dict (a ReduceLROnPlateau steps on one)"
                     )
                 if plateau:  # Lightning puts 'monitor' beside 'optimizer' too, for the plateau scheduler alone

@@ -96,6 +96,7 @@ from ampkit.trainer.sharded_checkpoint import (
     training_order,
     users_own_at,
 )
+from ampkit.wording import shown
 
 LOCK_FILE = "run.lock"
 LINEAGE_FILE = "lineage.yaml"
@@ -115,8 +116,8 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
     if not isinstance(ckpt, str | os.PathLike):  # str() of it named a file of that name: fit(resume=True) 'True'
         hint = " ('last': the newest run's last checkpoint)" if isinstance(ckpt, bool) else ""
         raise TypeError(
-            f"the checkpoint given is {ckpt!r}, of type {type(ckpt).__name__}; expected a path (str or os.PathLike), "
-            f"'last' or 'best'{hint}"
+            f"the checkpoint given is {shown(ckpt)}, of type {type(ckpt).__name__}; expected a path (str or "
+            f"os.PathLike), 'last' or 'best'{hint}"
         )
     if str(ckpt) == "last":
         return next(filter(None, map(_last_of, reversed(version_dirs(run_dir)))), None)
@@ -178,7 +179,7 @@ def missing_alias_hint(run_dir: str | os.PathLike, alias: str, monitor: str | No
         return f" ({broken}; pass a path)"
     last = resolve_checkpoint(run_dir, "last") if alias == "best" else None
     if last is not None:
-        kept = f"checkpoint.monitor ('{monitor}') was logged" if monitor else "checkpoint.monitor is set"
+        kept = f"checkpoint.monitor ({shown(monitor)}) was logged" if monitor else "checkpoint.monitor is set"
         return f": best.pt is kept only where {kept} at a save; '{last}' is the newest checkpoint ({option} last)"
     left = newest_periodic_checkpoint(run_dir)
     return f": the newest checkpoint left is '{left}' (pass its path)" if left is not None else " (pass a path)"
@@ -1157,7 +1158,9 @@ def prediction_output(
     if not text.strip():
         raise RunDirectoryError("predict --output is empty: name a file to write the predictions to")
     if "\0" in text:  # no file system takes it; os.stat's own ValueError names no option
-        raise RunDirectoryError(f"predict --output {text!r} holds a NUL character, which no path can; name a file")
+        raise RunDirectoryError(
+            f"predict --output {shown(text, 300)} holds a NUL character, which no path can; name a file"
+        )
     path = Path(text)
     if path.is_dir() and not is_sharded_checkpoint(path) or text.endswith(("/", os.sep)):
         path = path / PREDICTIONS_FILE

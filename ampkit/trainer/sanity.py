@@ -16,7 +16,7 @@ from ampkit.trainer.distributed import DistributedEnv, broadcast_object, gather_
 from ampkit.trainer.evaluation import average_metrics
 from ampkit.trainer.rng import capture_rng, restore_rng
 from ampkit.trainer.user_code import no_batches_message
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 if TYPE_CHECKING:
     from ampkit.trainer.trainer import Trainer
@@ -65,13 +65,13 @@ def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_datalo
     key, metric = next(iter(monitors.items()))
     if not has_val_dataloader:
         raise ConfigError(
-            f"config key '{key}': monitors '{metric}', but {trainer_name} defines no val_dataloader(); "
+            f"config key '{key}': monitors {shown(metric)}, but {trainer_name} defines no val_dataloader(); "
             f"define it (and validation_step), or set {key}=null{_TRAINING_HINT}"
         )
     t = cfg.trainer
     if t.val_every_n_epochs == 0 and t.val_every_n_steps == 0:
         raise ConfigError(
-            f"config key '{key}': monitors '{metric}', but validation never runs (trainer.val_every_n_epochs=0 "
+            f"config key '{key}': monitors {shown(metric)}, but validation never runs (trainer.val_every_n_epochs=0 "
             "and trainer.val_every_n_steps=0)"
         )
 
@@ -86,8 +86,8 @@ def check_epoch_scheduler_monitors(trainer: Trainer) -> None:
             which = f"the scheduler '{sched.name}'" if sched.name else "the scheduler"
             if sched.monitor is not None and is_training_metric(sched.monitor) and sched.interval != "epoch":
                 raise ConfigError(
-                    f"{which} of optimizer '{spec.name}' monitors '{sched.monitor}', an epoch mean known at epoch ends "
-                    f"only, but steps every {sched.interval}: give it 'interval': 'epoch'"
+                    f"{which} of optimizer '{spec.name}' monitors {shown(sched.monitor)}, an epoch mean known at epoch "
+                    f"ends only, but steps every {sched.interval}: give it 'interval': 'epoch'"
                 )
             if sched.monitor is None or is_training_metric(sched.monitor):
                 continue
@@ -95,13 +95,13 @@ def check_epoch_scheduler_monitors(trainer: Trainer) -> None:
                 continue
             if trainer._val_loader is None or t.val_every_n_epochs == 0:
                 raise ConfigError(
-                    f"{which} of optimizer '{spec.name}' monitors '{sched.monitor}', but validation never runs "
+                    f"{which} of optimizer '{spec.name}' monitors {shown(sched.monitor)}, but validation never runs "
                     f"(trainer.val_every_n_epochs={t.val_every_n_epochs}, or no val_dataloader()): validate, or give "
                     "it 'strict': False"
                 )
             if sched.frequency < t.val_every_n_epochs:
                 raise ConfigError(
-                    f"{which} of optimizer '{spec.name}' monitors '{sched.monitor}' and steps every "
+                    f"{which} of optimizer '{spec.name}' monitors {shown(sched.monitor)} and steps every "
                     f"{sched.frequency} epoch(s), but validation first runs after trainer.val_every_n_epochs="
                     f"{t.val_every_n_epochs}: give it 'frequency': {t.val_every_n_epochs}, or 'strict': False"
                 )
@@ -161,7 +161,8 @@ def usable_validation_loader(
     if monitors:
         key, metric = next(iter(monitors.items()))
         why = _no_validation_batches(loader, env.world_size, "validation never runs") if empty else None
-        raise ConfigError(f"config key '{key}': monitors '{metric}', but {why or 'val_dataloader() returned None'}")
+        why = why or "val_dataloader() returned None"
+        raise ConfigError(f"config key '{key}': monitors {shown(metric)}, but {why}")
     if empty:
         rank_zero_warn(_no_validation_batches(loader, env.world_size, "validation is skipped"))
     return None
@@ -215,11 +216,12 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
             )
             checked = "all its batches" if limit is None else counted(limit, "batch", "batches")
             raise ConfigError(
-                f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
+                f"{where}: monitors {shown(metric)}, which is not a validation metric; validation_step returns "
                 f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'}"
                 + (f" and on_validation_end logs {', '.join(sorted(logged))}" if logged else "")
                 + f" (checked before training on {checked}, trainer.num_sanity_val_steps="
-                f"{t.num_sanity_val_steps}{later}); or log it in on_validation_end with self.log('{metric}', value)"
+                f"{t.num_sanity_val_steps}{later}); or log it in on_validation_end with "
+                f"self.log({shown(metric)}, value)"
                 f" (an on_validation_end that returns early in the sanity pass, state.stage == 'sanity', must log it "
                 f"there too; trainer.num_sanity_val_steps=0 skips this check)"
                 + (_TRAINING_HINT if "." in key else "")

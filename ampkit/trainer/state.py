@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ampkit.wording import shown
+
 
 @dataclass(slots=True)
 class LoopState:
@@ -86,7 +88,7 @@ def loss_id_key(loss_id: Any) -> int | str:
     if type(loss_id) is int or type(loss_id) is str:  # nearly every call (each backward): no ABC check
         return loss_id
     if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral | str):
-        raise TypeError(f"loss_id={loss_id!r}: expected an int or a str, not a {type(loss_id).__name__}")
+        raise TypeError(f"loss_id={shown(loss_id)}: expected an int or a str, not a {type(loss_id).__name__}")
     return loss_id if isinstance(loss_id, int | str) else int(loss_id)
 
 

@@ -265,7 +265,7 @@ from ampkit.trainer.user_code import (
     short_epoch_message,
     training_step_loss_error,
 )
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
@@ -354,7 +354,7 @@ def _log_switch(tag: str, name: str, value: Any, default: bool | None) -> bool:
     if is_switch(value):
         return bool(value)
     or_none = " or None (the hook's default)" if default is not None else ""
-    raise UserCodeError(f"log('{tag}', {name}={value!r}): expected True or False{or_none}")
+    raise UserCodeError(f"log('{tag}', {name}={shown(value)}): expected True or False{or_none}")
 
 
 def _log_batch_size(tag: str, batch_size: Any) -> int | None:
@@ -364,7 +364,7 @@ def _log_batch_size(tag: str, batch_size: Any) -> int | None:
         return batch_size
     if isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool) and batch_size >= 1:
         return int(batch_size)
-    raise UserCodeError(f"log('{tag}', batch_size={batch_size!r}): {_LOG_OPTION_INSTEAD['batch_size']}")
+    raise UserCodeError(f"log('{tag}', batch_size={shown(batch_size)}): {_LOG_OPTION_INSTEAD['batch_size']}")
 
 
 def _every(n: int, count: int) -> bool:
@@ -943,7 +943,7 @@ class Trainer:
         """
         if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
             what = "empty" if isinstance(tag, str) else type(tag).__name__
-            raise UserCodeError(f"log(tag={tag!r}): the tag is {what}; expected a string such as 'train/acc'")
+            raise UserCodeError(f"log(tag={shown(tag)}): the tag is {what}; expected a string such as 'train/acc'")
         if self.evaluation_step is not None:  # before its options: a port's prog_bar or sync_dist there is not the fix
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
             raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
@@ -958,13 +958,13 @@ class Trainer:
             )
         if refused:
             instead = "".join(f"; {_LOG_OPTION_INSTEAD[name]}" for name in refused if name in _LOG_OPTION_INSTEAD)
-            got = ", ".join(f"{name}={others[name]!r}" for name in refused)
+            got = ", ".join(f"{name}={shown(others[name])}" for name in refused)
             raise UserCodeError(f"log('{tag}') got {got}, which it does not take: {_LOG_OPTIONS}{instead}")
         weight = _log_batch_size(tag, others.get("batch_size"))
         always = _log_switch(tag, "always", always, default=None)
         valid_step = step is None or (type(step) is int and step >= 0)  # the usual cases, without an ABC check
         if not valid_step and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
-            raise UserCodeError(f"log('{tag}', step={step!r}): expected None (this iteration) or an integer >= 0")
+            raise UserCodeError(f"log('{tag}', step={shown(step)}): expected None (this iteration) or an integer >= 0")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:  # a one-line error at the CLI, as the user's code can fix it from the message
                 raise UserCodeError(
@@ -1815,7 +1815,7 @@ class Trainer:
             return
         logged = sorted(self.validation_end_values)
         problem = (
-            f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but validation "
+            f"{_scheduler_name(sched, optimizer)} monitors {shown(sched.monitor)}, but validation "
             f"produced {sorted(self.val_metrics) or 'nothing yet'}"
             + (f" and its on_validation_end hooks logged {logged}" if logged else "")
         )
@@ -1833,9 +1833,9 @@ class Trainer:
             return
         logged = broadcast_object(self.monitor_value_names(), self.dist)
         problem = (
-            f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but epoch {self.state.epoch} logged "
+            f"{_scheduler_name(sched, optimizer)} monitors {shown(sched.monitor)}, but epoch {self.state.epoch} logged "
             f"{', '.join(logged) or 'none'}: {unprefixed_note(sched.monitor, logged)}log it in training_step with "
-            f"self.log('{sched.monitor}', value, on_epoch=True), or in "
+            f"self.log({shown(sched.monitor)}, value, on_epoch=True), or in "
             "on_train_epoch_end by the Trainer's own hook or a callback that saves no checkpoints (epoch-interval "
             "schedulers step before the checkpoint writers' on_train_epoch_end, whose save then holds the stepped "
             "schedulers)"

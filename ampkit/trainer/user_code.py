@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from ampkit.config import AMPKIT_KEYS, flatten
 from ampkit.trainer.state import loss_id_key
-from ampkit.wording import beyond_float, counted, integer_digits
+from ampkit.wording import beyond_float, counted, integer_digits, shown
 
 
 class UserCodeError(TypeError, ValueError):
@@ -29,32 +29,33 @@ def check_loss(loss: torch.Tensor, loss_id: Any) -> int | str:
         loss_id = loss_id_key(loss_id)
     except TypeError:  # at O0 too: a tensor id made a new loss entry at every backward, scaled or not
         raise UserCodeError(
-            f"backward(loss_id={loss_id!r}): a loss id is a name or an integer, not a {type(loss_id).__name__}"
+            f"backward(loss_id={shown(loss_id)}): a loss id is a name or an integer, not a {type(loss_id).__name__}"
         ) from None
+    named = shown(loss_id)  # a pasted 100 kB name, or an integer of 5000 digits, whose repr() raises
     if not isinstance(loss, torch.Tensor):
-        raise UserCodeError(f"backward(loss_id={loss_id!r}) got a {type(loss).__name__}; expected the loss tensor")
+        raise UserCodeError(f"backward(loss_id={named}) got a {type(loss).__name__}; expected the loss tensor")
     if loss.numel() != 1:
         raise UserCodeError(
-            f"the loss of loss_id {loss_id!r} has shape {tuple(loss.shape)}; expected a scalar (reduce it: .mean())"
+            f"the loss of loss_id {named} has shape {tuple(loss.shape)}; expected a scalar (reduce it: .mean())"
         )
     if not loss.requires_grad:
         if not (loss.is_floating_point() or loss.is_complex()):  # an integer tensor cannot carry a gradient at all
             raise UserCodeError(
-                f"the loss of loss_id {loss_id!r} is a {loss.dtype} tensor, which has no gradient; expected a "
+                f"the loss of loss_id {named} is a {loss.dtype} tensor, which has no gradient; expected a "
                 "floating-point loss computed from the model's output"
             )
         raise UserCodeError(
-            f"the loss of loss_id {loss_id!r} does not require grad: it was computed under torch.no_grad(), "
+            f"the loss of loss_id {named} does not require grad: it was computed under torch.no_grad(), "
             "detached, or from no trainable parameter"
         )
     if loss.is_meta:  # autograd's "Cannot copy out of meta tensor" names neither the loss nor the way out
         raise UserCodeError(
-            f"the loss of loss_id {loss_id!r} is on the meta device, which holds no values to backpropagate; compute "
+            f"the loss of loss_id {named} is on the meta device, which holds no values to backpropagate; compute "
             "it from the model's output on the device the model is on"
         )
     if loss.is_complex():  # autograd's own error names neither the loss nor the way out
         raise UserCodeError(
-            f"the loss of loss_id {loss_id!r} is {loss.dtype}; expected a real number (take .abs() or .real)"
+            f"the loss of loss_id {named} is {loss.dtype}; expected a real number (take .abs() or .real)"
         )
     return loss_id
 
@@ -152,22 +153,24 @@ def check_metrics(metrics: Any, method: str) -> dict[str, Any]:
         if not isinstance(key, str) or not key.strip():  # logged under val/<name>: 'val/3', or 'val/' for ''
             what = "an empty name" if isinstance(key, str) else f"a name that is {type(key).__name__}"
             raise UserCodeError(
-                f"{method} returned metric {key!r}, {what}; each metric is named by a non-empty string such as 'mse'"
+                f"{method} returned metric {shown(key)}, {what}; each metric is named by a non-empty string such "
+                "as 'mse'"
             )
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             if isinstance(value, torch.Tensor) and value.is_complex():  # float() of it fails naming neither
                 raise UserCodeError(
-                    f"{method} returned metric {key!r} as a {value.dtype} tensor; each metric is a real number (take "
-                    ".abs() or .real)"
+                    f"{method} returned metric {shown(key)} as a {value.dtype} tensor; each metric is a real number "
+                    "(take .abs() or .real)"
                 )
             shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
             raise UserCodeError(
-                f"{method} returned metric {key!r} as a {type(value).__name__}{shape}; each metric is a number or a "
-                "one-element tensor (reduce it: .mean())"
+                f"{method} returned metric {shown(key)} as a {type(value).__name__}{shape}; each metric is a number "
+                "or a one-element tensor (reduce it: .mean())"
             )
-        refuse_beyond_float(f"{method} returned metric {key!r}", value)
+        if beyond_float(value):  # named only when refused: this runs for every metric of every step
+            refuse_beyond_float(f"{method} returned metric {shown(key)}", value)
     return metrics
 
 
@@ -335,7 +338,7 @@ def _named_settings(cfg: DictConfig, message: str) -> str:
     """`` (config: data.batch_size=0)``: the keys of the Trainer's own config sections that ``message`` names."""
     own = {key: value for key, value in flatten(cfg, sep=".").items() if key.partition(".")[0] not in AMPKIT_KEYS}
     named = [
-        f"{key}={value!r}"
+        f"{key}={shown(value)}"
         for key, value in own.items()
         if len(leaf := key.rpartition(".")[2]) >= 3 and re.search(rf"\b{re.escape(leaf)}\b", message)
     ]
@@ -399,8 +402,10 @@ def _skipped_every_step(optimizer_states: Any) -> list[Any]:
 
 def _all_skipped_warning(skipped: list[Any], every_optimizer: bool, losses: list[Any]) -> str:
     counts = ", ".join(f"'{st.name}' skipped all {st.epoch_skipped_steps}" for st in skipped)
-    blamed = ", ".join(repr(i) for i in sorted({i for st in skipped for i in st.loss_ids}, key=str))
-    scales = ", ".join(f"loss_id {loss.loss_id!r}'s is {loss.scale:.4g}" for loss in losses if loss.scale is not None)
+    blamed = ", ".join(shown(i) for i in sorted({i for st in skipped for i in st.loss_ids}, key=str))
+    scales = ", ".join(
+        f"loss_id {shown(loss.loss_id)}'s is {loss.scale:.4g}" for loss in losses if loss.scale is not None
+    )
     who = "the model" if every_optimizer else "their parameters"
     return (
         f"every step of this epoch was skipped, so {who} did not change (optimizer {counts}: inf/NaN gradients"

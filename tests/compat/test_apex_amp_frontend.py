@@ -790,6 +790,23 @@ def test_a_loss_id_out_of_range_is_the_index_error_apex_raised_too(loss_id):
     assert isinstance(e.value, ValueError)
 
 
+@pytest.mark.parametrize(
+    ("loss_id", "named", "error"),
+    [
+        (10**5000, r"loss_id=an integer of 5001 digits is out of range", IndexError),  # repr() of it raised
+        ("x" * 100_000, r"loss_id='x{79}\.\.\. \(100002 characters\) is a str; loss ids are", TypeError),
+    ],
+    ids=["5001 digits", "100kB name"],
+)
+def test_a_long_loss_id_is_named_by_its_start_or_its_digits(loss_id, named, error):
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)
+    with pytest.raises(error, match=f"^{named}") as e:
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=loss_id):
+            pass
+    assert len(str(e.value)) < 300
+
+
 @pytest.mark.parametrize("loss_id", [None, "0", 1.0])
 def test_a_loss_id_of_another_type_with_no_scaler_names_num_losses_zero_not_a_range(loss_id):
     """With ``num_losses=0`` a loss_id of another type was told that loss ids are "the integers 0..-1"; no loss id

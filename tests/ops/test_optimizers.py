@@ -741,6 +741,24 @@ def test_bad_hyperparameters_are_named(make, error, message):
         make(make_params())
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: FusedAdam(p, lr="1e-3" * 25_000),
+        lambda p: FusedAdam(p, lr=list(range(10**5))),
+        lambda p: FusedSGD(p, lr=0.1, dampening="0." * 50_000),
+    ],
+    ids=["100kB lr", "100000-item lr", "100kB dampening"],
+)
+def test_a_long_hyperparameter_is_named_by_its_start_and_length(make):
+    """A pasted 100 kB value, or a list of 10**5 items, was repeated whole in the error."""
+    with pytest.raises(
+        ValueError, match=r"^Invalid (lr|dampening)( of a param group)?: .{80}\.\.\. \(\d+ characters\) is a"
+    ) as err:
+        make(make_params())
+    assert len(str(err.value)) < 300
+
+
 # Hyper-parameters torch.optim's constructors refuse, beside the fused optimizer taking the same arguments.
 TORCH_REFUSALS = [
     (FusedAdam, torch.optim.Adam, dict(lr=-1.0)),

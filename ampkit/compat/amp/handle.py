@@ -18,7 +18,7 @@ from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp.functions import disable_casts as disable_casts  # Apex defined it here: apex.amp.handle
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.ops._switches import checked_switch, is_switch
-from ampkit.wording import type_of
+from ampkit.wording import shown, type_of
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:
@@ -91,20 +91,20 @@ def scale_loss(
     scalers = _amp_state.loss_scalers
     if not scalers:  # Apex's IndexError on its empty list, whatever the loss_id: there is no valid one to name
         raise LossIdRangeError(
-            f"loss_id={loss_id!r}: amp.initialize was called with num_losses=0, so there is no loss scaler to scale "
-            "with: pass num_losses=1 or more to the initialize that takes the optimizers"
+            f"loss_id={shown(loss_id)}: amp.initialize was called with num_losses=0, so there is no loss scaler to "
+            "scale with: pass num_losses=1 or more to the initialize that takes the optimizers"
         )
     # Apex indexed its list of scalers with loss_id: numpy's integers and bools (True: loss 1) index it as well
     if not isinstance(loss_id, numbers.Integral):
         raise TypeError(
-            f"loss_id={loss_id!r} is {type_of(loss_id)}; loss ids are the integers 0..{len(scalers) - 1} "
+            f"loss_id={shown(loss_id)} is {type_of(loss_id)}; loss ids are the integers 0..{len(scalers) - 1} "
             f"(amp.initialize was called with num_losses={len(scalers)})"
         )
     given, loss_id = loss_id, int(loss_id)
     if not 0 <= loss_id < len(scalers):
         raise LossIdRangeError(  # named as written: loss_id=True read "loss_id=1", which the caller never wrote
-            f"loss_id={given!r}"
-            + (f" (index {loss_id})" if repr(given) != repr(loss_id) else "")
+            f"loss_id={shown(given)}"
+            + (f" (index {loss_id})" if type(given) is not int else "")
             + f" is out of range: amp.initialize was called with num_losses={len(scalers)}, so valid loss ids are "
             f"0..{len(scalers) - 1}"
         )

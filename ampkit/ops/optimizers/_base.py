@@ -34,7 +34,7 @@ from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shar
 from ampkit.ops._switches import is_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
-from ampkit.wording import beyond_float, integer_digits, type_of
+from ampkit.wording import beyond_float, integer_digits, shown, type_of
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
@@ -86,10 +86,11 @@ def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
     if isinstance(value, bool | numbers.Real):
         if name == "grad_scale" and not valid_scale(value):  # a host number is checked for free
             raise ValueError(
-                f"step(): grad_scale must be a finite float32 number > 0 (the scale the gradients carry), got {value!r}"
+                "step(): grad_scale must be a finite float32 number > 0 (the scale the gradients carry), got "
+                f"{shown(value)}"
             )
         return torch.tensor(float(value))
-    raise ArgumentTypeError(f"step(): {name} must be a one-element tensor or a number, got {value!r}")
+    raise ArgumentTypeError(f"step(): {name} must be a one-element tensor or a number, got {shown(value)}")
 
 
 _SCALE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
@@ -290,14 +291,14 @@ def check_hyper(
         value = bool(value)
     if not isinstance(value, numbers.Real):
         raise ArgumentTypeError(
-            f"Invalid {name}: {value!r} is {type_of(value)} (expected a {finite_word}number {bound})"
+            f"Invalid {name}: {shown(value)} is {type_of(value)} (expected a {finite_word}number {bound})"
         )
     if beyond_float(value):  # passes value < inf, then every step's float() raised a bare OverflowError
         raise ValueError(f"Invalid {name}: {integer_digits(value)} (expected a {finite_word}value {bound})")
     if not (value >= low) or not (value <= high if closed else value < high):
         theirs = _torch_words(name)
         also = f"; torch.optim: Invalid {theirs}: {value}" if theirs else ""
-        raise ValueError(f"Invalid {name}: {value!r} (expected a {finite_word}value {bound}{also})")
+        raise ValueError(f"Invalid {name}: {shown(value)} (expected a {finite_word}value {bound}{also})")
 
 
 def _torch_words(name: str) -> str | None:
@@ -341,7 +342,7 @@ def check_choice(name: str, value: Any, key: str) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is one of ``GROUP_CHOICES[key]``'s numbers (not a bool)."""
     choices, meaning = GROUP_CHOICES[key]
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value not in choices:
-        raise ValueError(f"Invalid {name}: {value!r} (expected {meaning})")
+        raise ValueError(f"Invalid {name}: {shown(value)} (expected {meaning})")
 
 
 # The on/off options a param group may carry, whichever optimizer it belongs to: True or False (or Apex's 0 and 1).
@@ -370,7 +371,7 @@ def check_flag(name: str, value: Any) -> None:
         return
     hint = " (betas go by keyword: the third positional argument is bias_correction, as in Apex)"
     hint = hint if name.startswith("bias_correction") and isinstance(value, tuple | list) else ""
-    raise ArgumentTypeError(f"Invalid {name}: {value!r} is {type_of(value)} (expected True or False){hint}")
+    raise ArgumentTypeError(f"Invalid {name}: {shown(value)} is {type_of(value)} (expected True or False){hint}")
 
 
 # The flags torch.optim also takes as None, meaning False: torch.optim.Adam(capturable=None) keeps None in its groups
@@ -384,7 +385,7 @@ def check_group_flag(name: str, key: str, value: Any) -> None:
     if key not in _NONE_IS_FALSE:
         check_flag(name, value)
     elif value is not None and not is_switch(value):  # None is as valid as False here: the error says so
-        raise ArgumentTypeError(f"Invalid {name}: {value!r} is {type_of(value)} (expected True, False or None)")
+        raise ArgumentTypeError(f"Invalid {name}: {shown(value)} is {type_of(value)} (expected True, False or None)")
 
 
 def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:

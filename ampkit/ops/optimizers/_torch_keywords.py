@@ -11,7 +11,7 @@ from typing import Any
 
 from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops._switches import is_switch
-from ampkit.wording import type_of
+from ampkit.wording import shown, type_of
 
 # Each keyword: (the values that agree with the fused step, what those are in words).
 _AGREEING: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -53,12 +53,12 @@ def check_torch_keywords(owner: str, **given: Any) -> None:
         if value is None or not is_switch(value):
             also = _NONE_FAILS_IN_TORCH if value is None and keyword == "differentiable" else ""
             raise ArgumentTypeError(
-                f"{owner}: invalid {keyword}: {value!r} is {type_of(value)} (expected {words}, as torch.optim "
+                f"{owner}: invalid {keyword}: {shown(value)} is {type_of(value)} (expected {words}, as torch.optim "
                 f"takes{also})"
             )
         if bool(value) in agreeing:
             continue
         raise ValueError(
-            f"{owner}: {keyword}={value!r} {_asks_for(keyword, bool(value), owner)}; leave it out or pass "
+            f"{owner}: {keyword}={shown(value)} {_asks_for(keyword, bool(value), owner)}; leave it out or pass "
             f"{keyword}={words} (torch.optim's optimizers have the other forms)"
         )
