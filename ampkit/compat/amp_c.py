@@ -31,7 +31,7 @@ from ampkit.compat._amp_c_lamb import (
 from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.missing_name import missing_name
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import ScalerTensors, decay_weights_, host_numbers
+from ampkit.ops.optimizers._base import ScalerTensors, _skip_flag, decay_weights_, host_numbers
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers.sgd import sgd_step
 
@@ -61,7 +61,7 @@ TensorLists = Sequence[Sequence[Tensor]]
 def _skip_flag_on(noop_flag: Tensor, device: torch.device) -> Tensor:
     """``noop_flag`` as the float32 ``found_inf`` the optimizer kernels skip on (1.0 where it is not 0), on
     ``device``, with no host read: the kernels read it where they run."""
-    return (noop_flag.reshape(()) != 0).float().to(device, non_blocking=True)
+    return _skip_flag(noop_flag.to(device, non_blocking=True))
 
 
 def _norm_outputs(result: multi_tensor.L2Norm) -> tuple[Tensor, Tensor]:
