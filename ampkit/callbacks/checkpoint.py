@@ -257,7 +257,7 @@ class ModelCheckpoint(KeyedByMonitor):
                     best.unlink(missing_ok=True)
                 elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True):
                     if is_sharded_checkpoint(best) and not best.is_symlink():  # a whole model and optimizer state
-                        remove_sharded(best, self._protected)
+                        remove_sharded(best)
         if trainer.sharded:
             self._copy_resumed_moment(trainer, directory)
             self._relink_best(directory)
@@ -350,7 +350,7 @@ class ModelCheckpoint(KeyedByMonitor):
         with _deleting(directory, f"out of the save_top_k={self.save_top_k} best"):
             for name in (old.name for old in deletable([directory / name for name in dropped], self._protected)):
                 if trainer.sharded:
-                    remove_sharded(directory / name, self._protected)
+                    remove_sharded(directory / name)
                 else:
                     (directory / name).unlink(missing_ok=True)
 
