@@ -629,3 +629,18 @@ def test_a_sharded_save_of_a_name_again_steps_around_a_users_file_at_its_set_asi
     assert mine.read_text() == "my notes" and (alias / "trainer.pt").read_bytes() == b"new"
     assert (alias / "eval.json").read_text() == "{}"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".best-00000004.old", "best-00000004", "step-00000004"]
+
+
+def test_a_resume_s_tidy_never_removes_a_users_dangling_link_at_best(tmp_path):
+    """A sharded run's resume removed a ``best`` link that led nowhere where its ranking named no whole best: a link
+    of the user's there (to exports they moved away) went too. Only a link to a checkpoint's name, as ampkit makes it,
+    is the kill's to remove."""
+    from ampkit.callbacks import ModelCheckpoint
+
+    (tmp_path / "best").symlink_to("../my-exports")
+    ModelCheckpoint(monitor="val/mse")._relink_best(tmp_path)
+    assert os.readlink(tmp_path / "best") == "../my-exports"
+    (tmp_path / "best").unlink()
+    (tmp_path / "best").symlink_to("best-00000004")  # a kill's, to a directory gone since
+    ModelCheckpoint(monitor="val/mse")._relink_best(tmp_path)
+    assert not (tmp_path / "best").is_symlink()

@@ -33,6 +33,7 @@ from ampkit.trainer.run_life import loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
     copy_sharded,
+    is_our_link,
     is_sharded_checkpoint,
     periodic_checkpoints,
     point_last_at,
@@ -308,13 +309,13 @@ class ModelCheckpoint(KeyedByMonitor):
 
     def _relink_best(self, directory: Path) -> None:
         """Point a sharded run's ``best`` link at the restored ranking's best again, where a kill left it naming a
-        directory written after ``last`` (removed above)."""
+        directory written after ``last`` (removed above). A dangling link to no checkpoint's name, the user's, stays."""
         link = directory / "best"
         if not link.is_symlink() or link.exists():
             return
         if self.best_k and is_sharded_checkpoint(directory / next(iter(self.best_k))):
             point_last_at(directory / next(iter(self.best_k)), "best")
-        else:
+        elif is_our_link(link):
             link.unlink(missing_ok=True)
 
     def _periodic_settings(self) -> str:
