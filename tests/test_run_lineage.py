@@ -597,6 +597,27 @@ def test_the_tidy_removes_a_record_s_or_a_lock_s_temp_file_only_where_it_holds_w
     assert [p.name for p in mine.iterdir()] == ["eval.json"] and not (checkpoints / "step-00000006").exists()
 
 
+def test_the_tidy_takes_back_what_a_kill_left_at_a_free_temp_name(tmp_path):
+    """A save that stepped around the user's thing at its usual temp name went through a free one
+    (``.<name>.<random>.tmp`` or ``.old``, temp_names): a kill there leaves a folder, a set-aside checkpoint or a link
+    the tidy must know as well as the usual names, or it stays for good (a checkpoint set aside: never put back). A link
+    of the user's at a temp name stays, though it leads to a checkpoint's name."""
+    from ampkit.trainer.run_life import remove_stale_temps
+
+    checkpoints = tmp_path / "version_0" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for name in (".step-00000008.k3x9_q0a.tmp", ".step-00000004.abcd1234.old", "step-00000002"):
+        (checkpoints / name).mkdir()
+        for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+            (checkpoints / name / part).write_bytes(name.encode())
+    os.symlink("step-00000002", checkpoints / ".last.zz99yy88.tmp")  # point_last_at's, at a free name
+    os.symlink("step-00000002", checkpoints / ".step-00000006.tmp")  # the user's: ampkit links only last and best
+    removed = remove_stale_temps(tmp_path / "version_0")
+    assert sorted(p.name for p in removed) == [".last.zz99yy88.tmp", ".step-00000008.k3x9_q0a.tmp"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000006.tmp", "step-00000002", "step-00000004"]
+    assert (checkpoints / "step-00000004" / "trainer.pt").read_bytes() == b".step-00000004.abcd1234.old"
+
+
 def test_a_run_lock_never_writes_over_a_users_file_at_its_temp_or_stale_name(tmp_path):
     """The lock was written through ``.run.lock.<pid>.tmp`` and a stale one moved aside to ``.run.lock.stale.<pid>``,
     over whatever stood there: a file of the user's of that name was overwritten, then deleted. Both go through free

@@ -25,9 +25,10 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 * A file with no write permission (``chmod a-w``, by mode: root too) is the user's to keep: nothing deletes or
   replaces it (``checkpoint_io.write_protected``). Pruning passes over it, uncounted, with one warning.
 * Before a ``fit()`` (finished or not) writes anything, the temp files that a killed save left under ``run_dir``
-  are removed: only ampkit's own temp names (:func:`remove_stale_temps`), only in version directories an ampkit
-  run made (another tool's ``version_N`` beside them is left alone) and no live run holds, and a sharded
-  checkpoint set aside by an interrupted save is put back, never deleted.
+  are removed: only ampkit's own temp names (:func:`remove_stale_temps`) holding what ampkit writes there, only in
+  version directories an ampkit run made (another tool's ``version_N`` beside them is left alone) and no live run
+  holds, and a sharded checkpoint set aside by an interrupted save is put back, never deleted. A save never stops
+  for the user's thing at its temp name: it goes through a free one (``temp_names``).
 * A run holds ``version_N/run.lock`` (its pid, host and process start) while it writes there; a second run into
   that directory is refused, naming both. A lock whose process is gone on this host (a SIGKILLed run, or a pid
   now another process's after a reboot or a container restart), or one of this process whose removal the disk
@@ -865,9 +866,9 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
         return removed
     for path in sorted(checkpoints.iterdir()):
         name, link = path.name, path.is_symlink()
-        temp = temp_name_of(name, "tmp", _CHECKPOINT)
-        if _TEMP_FILE.match(name) and not link and _half_written(path) or temp and link and is_our_link(path):
-            path.unlink(missing_ok=True)  # a link only from point_last_at's ``.last.tmp``, to a checkpoint's name
+        temp, link_temp = temp_name_of(name, "tmp", _CHECKPOINT), link and temp_name_of(name, "tmp", "last|best")
+        if _TEMP_FILE.match(name) and not link and _half_written(path) or link_temp and is_our_link(path):
+            path.unlink(missing_ok=True)  # a link only as point_last_at makes one: ``.last.tmp``, to a checkpoint
         elif temp and path.is_dir() and not link:
             # a file the user put in it stays, back under its name
             if not discard_checkpoint_dir(path, checkpoints / temp.group(1)):

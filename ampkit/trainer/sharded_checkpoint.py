@@ -183,7 +183,7 @@ def save_sharded(
 
     is_zero = env.rank == 0
     barrier(f"the save of {path.name}")  # every rank has come: rank zero names one that died or hangs before it
-    # Rank zero's refusal, or the folder it made, on every rank alike; also the barrier: no rank writes before it is
+    # Rank zero's refusal, or the folder it made, on every rank alike; also the barrier: no rank writes before that
     tmp = decided_by_rank_zero(functools.partial(_make_room, path), env)
     try:
         state = _tensor_state(module, optimizers)
