@@ -235,22 +235,27 @@ LossScaler = ApexLossScaler
 
 # The class's own unscale methods, kept apart from the class so that a script's patch of the class itself is told too
 _OWN_UNSCALES = {"unscale": ApexLossScaler.unscale, "unscale_with_stashed": ApexLossScaler.unscale_with_stashed}
-# Each scaler's verdict, decided at its first unscale: the per-step cost is one lookup (getattr of both methods was
-# several). A scaler that cannot be a weak key is looked at every time.
-_SCRIPTS_UNSCALES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+# Each scaler's verdict, with the methods it was read from: the per-step cost is four lookups and identity compares
+# (getattr of both methods and the test of each was several times that). A scaler that cannot be a weak key is looked
+# at every time.
+_SCRIPTS_UNSCALES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], frozenset[str]]] = weakref.WeakKeyDictionary()
 
 
 def scripts_unscales(scaler: Any) -> frozenset[str]:
     """Which of ``scaler``'s ``unscale`` and ``unscale_with_stashed`` are a script's (a subclass's override, a patch of
-    the class or of the one scaler), decided once per scaler: amp's post-backward and ``FP16_Optimizer`` then unscale
-    through them, as Apex did (ColossalAI's scaler agrees its overflow across model-parallel ranks there)."""
+    the class or of the one scaler, made before or after the first unscale): amp's post-backward and ``FP16_Optimizer``
+    then unscale through them, as Apex did (ColossalAI's scaler agrees its overflow across model-parallel ranks there).
+    The verdict is kept while the class's and the scaler's own entries of both names stay the same objects."""
+    cls, own = type(scaler), getattr(scaler, "__dict__", {})
+    methods = tuple(getattr(cls, name, None) for name in _OWN_UNSCALES) + tuple(own.get(name) for name in _OWN_UNSCALES)
     try:
-        return _SCRIPTS_UNSCALES[scaler]
-    except KeyError:
-        pass
+        known = _SCRIPTS_UNSCALES.get(scaler)
     except TypeError:  # unhashable, or no weak reference to it
         return _scripts_unscales(scaler)
-    names = _SCRIPTS_UNSCALES[scaler] = _scripts_unscales(scaler)
+    if known is not None and all(a is b for a, b in zip(known[0], methods, strict=True)):
+        return known[1]
+    names = _scripts_unscales(scaler)
+    _SCRIPTS_UNSCALES[scaler] = (methods, names)
     return names
 
 
