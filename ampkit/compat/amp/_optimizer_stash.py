@@ -16,6 +16,7 @@ import torch
 
 from ampkit.amp import GradientCombiner, LossScaler, MasterWeights, OptLevelProperties
 from ampkit.amp.grad_combine import CombineResult
+from ampkit.compat import amp_c
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp._param_lists import MasterGroups, params_of_dtype
 from ampkit.compat.amp.functions import disable_casts
@@ -59,6 +60,14 @@ class AmpOptimizerStash:
         if self.master_weights is not None and fp32_values:
             self._seed_masters(fp32_values)
         self._masters_checked = self.master_weights is None
+        # Apex's amp_C handles on the stash, for a script's copy of Apex's ``_master_params_to_model_params``
+        # (``multi_tensor_applier(stash.multi_tensor_scale, stash.dummy_overflow_buf, [masters, model], 1.0)``). amp's
+        # own copy is ``copy_``: the same values (round to nearest, inf where a master is past fp16's range); Apex's
+        # kernel also raised the dummy buffer on an inf/nan master, which nothing read.
+        self.multi_tensor_scale = amp_c.multi_tensor_scale
+        self.multi_tensor_l2norm = amp_c.multi_tensor_l2norm
+        first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        self.dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=None if first is None else first.device)
         self._kept_model_grads: list[torch.Tensor] = []  # see _masters_with_model_grads
         self.combiner = self._build_combiner()
         self._patch_methods()
