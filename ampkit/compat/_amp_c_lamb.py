@@ -275,6 +275,10 @@ def multi_tensor_lamb(
         flag_if_not_finite(global_grad_norm, noop_flag)
     param_norms = _per_tensor_norms(params)
     flag_if_not_finite(param_norms, noop_flag)
+    # Two host reads per call (syncs on CUDA), kept: the global norm here, as stage 1's clip is the lamb_stage1 op's
+    # host double grad_factor, and the per-tensor norms in trust_ratios (only with weight decay or use_nvlamb), as
+    # the lamb_stage2 op takes its ratios as a float64 CPU vector (per_tensor_values, csrc/optimizers/list_checks.h)
+    # and the norms of the direction exist only after stage 1. Both ops would need device-side scalars to drop them.
     clip = clip_ratio(scalar_arg("multi_tensor_lamb", "global_grad_norm", global_grad_norm), max_grad_norm)
     updates = lamb_direction(
         params, [], grads, exp_avgs, exp_avg_sqs, float(step), beta1=beta1, beta2=beta2, eps=epsilon,
@@ -351,6 +355,7 @@ def multi_tensor_lamb_mp(
         bias_correction=bias_correction, grad_factor=inv_scale / clip_ratio(global_grad_norm, max_grad_norm),
     )  # fmt: skip
     _copy_into(grads, updates)  # Apex left the direction in .grad and took its norm from there
+    # the second host read, kept: the ratios the lamb_stage2 op takes are a float64 CPU vector (see multi_tensor_lamb)
     (update_norms,) = read_on_host(_per_tensor_norms(grads))
     if not bool(torch.isfinite(update_norms).all()):
         noop_flag.fill_(1)
