@@ -69,6 +69,7 @@ class ModelCheckpoint(KeyedByMonitor):
     # Its monitor reads what was logged: it runs after every other checkpoint writer too (Lightning runs it last), so
     # a value one of them logs at that hook is ranked, wherever that one stands in the list.
     reads_logged_values = True
+    takes_part_in_collectives = True  # rank zero decides saves; a subclass on another rank takes the same ones
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ class EarlyStopping(KeyedByMonitor):
     # module's hooks.
     hook_phases = {"on_train_epoch_end": Phase.PERSIST, "on_validation_end": Phase.PERSIST}
     reads_logged_values = True  # and after a PERSIST-phase callback that logs the monitored value, wherever it stands
+    takes_part_in_collectives = True  # rank zero's monitored value is broadcast; a subclass takes the same collectives
 
     def __init__(
         self,

@@ -151,7 +151,6 @@ class KeyedByMonitor(Callback):
     a metric of its own it runs beside it."""
 
     state_key_may_change = True
-    takes_part_in_collectives = True  # rank zero decides saves, broadcasts monitored values
     monitor: Monitor | None
 
     @property
