@@ -15,7 +15,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.checkpoint_names import LIGHTNING_NAMING, check_naming, last_file_name
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
-from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
+from ampkit.lightning_settings import LIGHTNING_NONE_INTERVAL, LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
@@ -96,6 +96,9 @@ class ModelCheckpoint(KeyedByMonitor):
         if lightning_only:  # dirpath, filename, save_last...: a port hears what does their work here
             raise lightning_arguments_error(type(self), list(lightning_only))
         check_naming(self, sharded=False)  # a subclass's; one set on the instance later is checked as a fit starts
+        for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
+            if value is None:  # Lightning's default, whose meaning depends on the other intervals
+                raise ValueError(f"ModelCheckpoint: {name}=None is not taken here; {LIGHTNING_NONE_INTERVAL}")
         every_n_steps = interval_option(every_n_steps, "ModelCheckpoint: every_n_steps", zero_means="never")
         every_n_epochs = interval_option(every_n_epochs, "ModelCheckpoint: every_n_epochs", zero_means="never")
         keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
@@ -113,6 +116,7 @@ class ModelCheckpoint(KeyedByMonitor):
         # 0 or "" was no monitor, silently (the config refuses a blank one)
         # default_callbacks names the config key of the config's
         self.monitor = None if monitor is None else Monitor(monitor, mode)
+        self._mode = mode
         if save_top_k not in (1, -1) and self.monitor is None:
             raise ValueError(
                 f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "
@@ -139,6 +143,11 @@ class ModelCheckpoint(KeyedByMonitor):
         self._inherited: list[str] = []  # a branch's ranked files, in the run it branched from: copied at its save
         self._inherit_from: Path | None = None  # that run's checkpoints directory
         self._named_last: str | None = None  # the CHECKPOINT_NAME_LAST file it wrote last (None: last.pt alone)
+
+    @property
+    def mode(self) -> str:
+        """Lightning's ``mode``: ``min`` or ``max``, as given (also without a ``monitor``)."""
+        return self._mode
 
     @property
     def best_k_models(self) -> dict[str, float]:

@@ -94,6 +94,16 @@ class EarlyStopping(KeyedByMonitor):
         self.stopping_reason_message: str | None = None
 
     @property
+    def mode(self) -> str:
+        """Lightning's ``mode``: ``min`` or ``max``."""
+        return self.monitor.mode
+
+    @property
+    def min_delta(self) -> float:
+        """Lightning's ``min_delta``, as given (>= 0; Lightning's holds it negated in ``min`` mode)."""
+        return self.monitor.min_delta
+
+    @property
     def wait_count(self) -> int:
         """Lightning's name of :attr:`wait`: the checks in a row without an improvement."""
         return self.wait
