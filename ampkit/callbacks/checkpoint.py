@@ -13,7 +13,7 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
-from ampkit.callbacks.checkpoint_names import LIGHTNING_NAMING, check_naming, last_file_name
+from ampkit.callbacks.checkpoint_names import LIGHTNING_NAMING, check_naming, is_own_name, last_file_name
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
 from ampkit.lightning_settings import LIGHTNING_NONE_INTERVAL, LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.trainer.callback import Phase
@@ -437,6 +437,12 @@ class ModelCheckpoint(KeyedByMonitor):
         newest = state.get("newest")  # absent before this ampkit, and before a first save
         named = state.get("named_last")  # as newest, and where CHECKPOINT_NAME_LAST was 'last'
         self._check_names([*best_k, *kept], [*protected, *(name for name in (newest, named) if name is not None)])
+        if named is not None and is_own_name(named):  # the next save would remove that file as the previous copy
+            raise CheckpointError(
+                f"the checkpoint's {self.state_key} state names {named!r} as its CHECKPOINT_NAME_LAST copy, which is "
+                "the name of one of ampkit's own checkpoint files: the checkpoint was edited or is damaged; resume an "
+                "earlier one"
+            )
         current = state.get("current_score")  # as newest
         if current is not None and (isinstance(current, bool) or not isinstance(current, numbers.Real)):
             raise CheckpointError(

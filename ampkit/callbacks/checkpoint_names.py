@@ -92,9 +92,15 @@ def last_file_name(callback: Any, epoch: int, step: int) -> str | None:
     name = "".join(parts) + LIGHTNING_NAMING["FILE_EXTENSION"]
     if "/" in name or "\\" in name or name.startswith("."):
         raise _bad_last(callback, f"it makes {name!r}, which is no plain file name in the checkpoints directory")
-    if name in ("last.pt", "best.pt") or any(named(name, False) for named in _OWN_NUMBERED):
+    if is_own_name(name):
         raise _bad_last(callback, f"it makes {name!r}, the name of one of ampkit's own checkpoint files")
     return name
+
+
+def is_own_name(name: str) -> bool:
+    """Whether ``name`` is that of one of ampkit's own checkpoint files (``last.pt``, ``step-N.pt``, ``best-N.pt``...),
+    which no ``CHECKPOINT_NAME_LAST`` copy may take (nor, named by an edited checkpoint, have removed)."""
+    return name in ("last.pt", "best.pt") or any(named(name, False) for named in _OWN_NUMBERED)
 
 
 def _fields(callback: Any, last: str) -> list[str]:

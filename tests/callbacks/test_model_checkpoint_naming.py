@@ -4,11 +4,13 @@ refused where changed, naming why, instead of being silently ignored."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.callbacks import ModelCheckpoint
-from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 
 # 48 samples in batches of 8: 6 iterations an epoch
 SETTINGS = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False,
@@ -88,3 +90,13 @@ def test_a_naming_attribute_ampkit_cannot_honour_is_refused_on_a_subclass_and_on
     with pytest.raises(ValueError, match="ModelCheckpoint." + attribute) as refused:
         run.fit()
     assert said in str(refused.value) and run.state.global_step == 0
+
+
+@pytest.mark.parametrize("named", ["step-00000003.pt", "last.pt", "best-00000002.pt", "../notes.txt"])
+def test_a_restored_last_copy_naming_one_of_ampkit_s_files_or_a_path_is_refused(named):
+    """The next save removes the previous CHECKPOINT_NAME_LAST copy: an edited checkpoint naming a step file (or a
+    path outside the directory) as that copy would have had it deleted. The state it had is kept."""
+    callback = ModelCheckpoint()
+    with pytest.raises(CheckpointError, match=re.escape(repr(named))):
+        callback.load_state_dict({"best_k": {}, "kept": [], "protected": [], "named_last": named})
+    assert callback.state_dict().get("named_last") is None
