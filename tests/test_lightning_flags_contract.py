@@ -338,6 +338,15 @@ def test_every_lightning_callback_argument_is_taken_or_refused_naming_what_does_
     )
 
 
+def test_a_callback_s_monitor_compares_equal_to_its_metric_name_as_lightning_s_string_does():
+    """Lightning's ``ckpt.monitor`` is the metric's name; here a Monitor, so a port's ``cb.monitor == "val/loss"`` was
+    False without a word. Two monitors of one name are still told apart (each callback's own)."""
+    checkpoint, stopper = ModelCheckpoint(monitor="val/loss"), EarlyStopping("val/loss", mode="max")
+    assert checkpoint.monitor == "val/loss" == stopper.monitor and "val/loss" == checkpoint.monitor
+    assert checkpoint.monitor != "val/acc" and checkpoint.monitor in {"val/loss"}
+    assert checkpoint.monitor != stopper.monitor and ModelCheckpoint().monitor is None
+
+
 @pytest.mark.parametrize("name", ["every_n_steps", "every_n_epochs"])
 def test_lightning_s_none_interval_is_refused_naming_what_gives_its_saves(name):
     """Lightning's every_n_epochs=None (its default) means 1 or 0 by the other intervals: refused as only 'expected an
