@@ -247,6 +247,20 @@ def test_a_subclass_resumed_with_another_monitor_gets_its_state_as_the_class_it_
     assert resumed.state.global_step == 7  # best -2 at step 4, then three validations without improvement
 
 
+def test_a_subclass_finds_the_state_an_older_ampkit_keyed_by_its_own_class_name():
+    """Before states were keyed by their monitor, a subclass's was saved under its own name (Patient); keyed now as
+    the class it extends, it still finds that one, as it finds EarlyStopping[<another metric>]."""
+    from ampkit.trainer.callback_states import states_to_load
+
+    class Patient(EarlyStopping):
+        pass
+
+    stopper = Patient("val/score")
+    assert states_to_load([stopper], {"Patient": {"best": 1.0}}) == [(stopper, "Patient")]
+    assert states_to_load([stopper], {"EarlyStopping[val/x]": {}}) == [(stopper, "EarlyStopping[val/x]")]
+    assert states_to_load([stopper], {"Other": {}}) == []
+
+
 def test_two_early_stoppings_on_other_metrics_each_resume_their_own_count(tmp_path):
     """As Lightning's, keyed by their monitor: they were refused as one state_key. 'score' improves at every step,
     'neg' never after step 1: resumed at step 3, each goes on counting from where it was, and the one whose patience

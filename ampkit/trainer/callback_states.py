@@ -20,7 +20,8 @@ def states_to_load(callbacks: Sequence[Callback], saved: Mapping[str, Any]) -> l
     lacking = [cb for cb in callbacks if cb.state_key not in saved and cb.state_key_may_change]
     for name in dict.fromkeys(_keyed_by(cb) for cb in lacking):
         candidates = [cb for cb in lacking if _keyed_by(cb) == name]
-        keys = [key for key in saved if key not in claimed and (key == name or key.startswith(f"{name}["))]
+        own = {type(cb).__name__ for cb in candidates}  # an older ampkit keyed a subclass by its own name alone
+        keys = [key for key in saved if key not in claimed and (key in {name, *own} or key.startswith(f"{name}["))]
         for key in keys:
             fits = (
                 candidates
