@@ -32,7 +32,7 @@ from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
 from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shard, shares_memory
 from ampkit.ops._switches import is_switch
-from ampkit.ops.multi_tensor import read_scalars
+from ampkit.ops.host_values import host_numbers, host_vectors
 from ampkit.ops.optimizers._state_map import StateMap
 from ampkit.wording import beyond_float, integer_digits, shown, type_of
 
@@ -245,15 +245,14 @@ def read_together(
     """GradScaler's skip and scale as host numbers, and ``values`` (a vector, or None) as a float64 host tensor: all
     copied in one transfer (one synchronization on CUDA)."""
     if values is None:
-        skip, scale = read_scalars(found_inf, grad_scale)
+        skip, scale = host_numbers([found_inf, grad_scale])
         return bool(skip), scale, None
     scalars = [t for t in (found_inf, grad_scale) if t is not None]
-    parts = [_scalar_on(t, values.device).double().reshape(1) for t in scalars] + [values.double().reshape(-1)]
-    host = torch.cat(parts).cpu()
-    head = iter(host[: len(scalars)].tolist())
+    *read, host = host_vectors([*scalars, values])
+    head = iter(float(v) for v in read)
     skip = found_inf is not None and next(head) != 0
     scale = next(head) if grad_scale is not None else None
-    return skip, scale, host[len(scalars) :]
+    return skip, scale, host
 
 
 def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | None = None) -> None:
@@ -404,26 +403,6 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
             "both Tensors"
         )
     return tuple(betas)
-
-
-def host_numbers(values: Sequence[float | Tensor]) -> list[float]:
-    """``values`` as host numbers, which every kernel here (and torch's fused ops) takes: a number as it is, a
-    one-element CPU tensor by ``item()`` (no copy, no new tensor), and those on a GPU all in one transfer (one host
-    sync for all, where each read alone synchronized once)."""
-    numbers = list(values)
-    off_cpu = []
-    for i, value in enumerate(numbers):
-        if isinstance(value, Tensor):
-            if value.device.type == "cpu":
-                numbers[i] = value.item()
-            else:
-                off_cpu.append(i)
-    if off_cpu:
-        device = numbers[off_cpu[0]].device
-        read = torch.stack([numbers[i].to(device=device, dtype=torch.float64).reshape(()) for i in off_cpu]).tolist()
-        for i, value in zip(off_cpu, read, strict=True):
-            numbers[i] = value
-    return numbers
 
 
 def check_group_hypers(group: dict[str, Any]) -> None:
