@@ -24,13 +24,13 @@ from torch import Tensor
 
 from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.ops import multi_tensor
+from ampkit.ops._dtypes import HALF_DTYPES
 from ampkit.ops._layout import is_dense
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.host_values import host_vectors
 from ampkit.ops.optimizers._kernels import op
 
 TensorLists = Sequence[Sequence[Tensor]]
-_REDUCED = (torch.float16, torch.bfloat16)
 
 
 def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]) -> list[list[Tensor]]:
@@ -127,7 +127,7 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
 def _grad_dtype(grads: list[Tensor], param: Tensor) -> torch.dtype:
     """What ampkit's kernels read: the parameter's dtype, or float32 grads of fp16/bf16 params, all alike."""
     dtype = grads[0].dtype
-    allowed = (param.dtype, torch.float32) if param.dtype in _REDUCED else (param.dtype,)
+    allowed = (param.dtype, torch.float32) if param.dtype in HALF_DTYPES else (param.dtype,)
     return dtype if dtype in allowed and all(g.dtype == dtype for g in grads) else _acc_dtype(param)
 
 
@@ -316,7 +316,7 @@ def multi_tensor_lamb_mp(
         check_scalar(name, arg, value)
     # fp16/bf16 model params get their rounded copy from the fp32 masters the kernels update; full-precision
     # "model params" in a fifth list are copied from the params after the step.
-    with_masters = len(lists) == 5 and lists[4][0].dtype in _REDUCED
+    with_masters = len(lists) == 5 and lists[4][0].dtype in HALF_DTYPES
     model_params, masters = (lists[4], params) if with_masters else (params, [])
     # What the host needs before stage 1, in one transfer: the flag, step, the scalars and the param norms.
     flag, step_now, *numbers, param_norms = host_vectors(

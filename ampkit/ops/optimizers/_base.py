@@ -29,15 +29,13 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
+from ampkit.ops._dtypes import HALF_DTYPES, KERNEL_DTYPES
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
 from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shard, shares_memory
 from ampkit.ops._switches import is_switch
 from ampkit.ops.host_values import host_numbers, host_vectors
 from ampkit.ops.optimizers._state_map import StateMap
 from ampkit.wording import beyond_float, integer_digits, shown, type_of
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-_FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
 
 
 def acc_dtype(param: Tensor) -> torch.dtype:
@@ -676,7 +674,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):
-            if p.dtype not in _FLOAT_DTYPES:
+            if p.dtype not in KERNEL_DTYPES:
                 raise TypeError(
                     f"{type(self).__name__}: params[{i}] has dtype {p.dtype}; expected float32, float64, "
                     "float16 or bfloat16"
@@ -1000,14 +998,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             self._check_grad(group, index, p, g)
-            if g.dtype != p.dtype and not (g.dtype == torch.float32 and p.dtype in _HALF_DTYPES):
+            if g.dtype != p.dtype and not (g.dtype == torch.float32 and p.dtype in HALF_DTYPES):
                 g = g.to(p.dtype)
             if g.stride() != p.stride():
                 g = torch.empty_like(p, dtype=g.dtype).copy_(g)
             state = self.state[p]
             if len(state) == 0:
                 self._init_state(p, state, group)
-            if self.master_weights and p.dtype in _HALF_DTYPES and "master_param" not in state:
+            if self.master_weights and p.dtype in HALF_DTYPES and "master_param" not in state:
                 # a fresh state, or one loaded without it (saved without master weights, by torch.optim)
                 state["master_param"] = p.detach().to(torch.float32, copy=True)
             key = (p.dtype, g.dtype, p.device, sharded)
@@ -1034,7 +1032,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Refuse a ``.grad`` that torch's own assignment check would have (one set through ``.grad.data``, as Apex-era
         code does): of another shape, the step broadcast it over the parameter (or the kernels read past its end); of a
         dtype that is not floating point, it was cast (a complex one losing its imaginary part)."""
-        if grad.shape == param.shape and grad.dtype in _FLOAT_DTYPES:
+        if grad.shape == param.shape and grad.dtype in KERNEL_DTYPES:
             return
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
         where = f"{type(self).__name__}: param_groups[{group_index}]['params'][{index}]"
@@ -1194,7 +1192,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 for key in [k for k, v in state.items() if v is None]:  # torch's "not created yet"
                     del state[key]
-                if "master_param" in state and p.dtype not in _HALF_DTYPES:
+                if "master_param" in state and p.dtype not in HALF_DTYPES:
                     del state["master_param"]  # a float32/64 parameter is its own master
                 fresh: dict[str, Any] = {}
                 self._init_state(p, fresh, group)
