@@ -31,7 +31,8 @@ from ampkit.compat._amp_c_lamb import (
 from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.missing_name import missing_name
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import ScalerTensors, _skip_flag, decay_weights_, host_numbers
+from ampkit.ops.host_values import host_numbers
+from ampkit.ops.optimizers._base import ScalerTensors, _skip_flag, decay_weights_
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers.sgd import sgd_step
 

@@ -140,11 +140,8 @@ def clear_temp_dir(tmp: Path) -> None:
     if not tmp.exists() and not tmp.is_symlink():
         return
     if tmp.is_dir() and not tmp.is_symlink():
-        for part in filter(_is_checkpoint_part, tmp.iterdir()):
-            part.unlink(missing_ok=True)
-        kept = sorted(p.name for p in tmp.iterdir())
+        _, kept = _delete_own_files(tmp, passed_over=FileNotFoundError)  # failing to delete one of them: its error
         if not kept:
-            tmp.rmdir()
             return
         what = f"a folder holding {', '.join(kept)}, which ampkit did not write"
     else:
@@ -517,17 +514,8 @@ def discard_checkpoint_dir(directory: Path, home: Path) -> bool:
     nothing of ampkit's any more (told so before) is left without a word. Returns whether anything was removed."""
     if directory.is_symlink():  # its files are the link target's, outside the checkpoints folder: never deleted
         return False
-    removed = False
-    for part in directory.iterdir():
-        if _is_checkpoint_part(part):
-            with suppress(OSError):
-                part.unlink()
-                removed = True
-    kept = sorted(p.name for p in directory.iterdir())
+    removed, kept = _delete_own_files(directory, passed_over=OSError)
     if not kept:
-        with suppress(OSError):
-            directory.rmdir()
-            removed = True
         return removed
     if not home.exists() and not home.is_symlink():
         with suppress(OSError):
@@ -550,6 +538,23 @@ _CHECKPOINT_PART = re.compile(
     rf"(?:\.metadata(?:\.tmp)?|__\d+\.metadata(?:\.tmp)?|__\d+_\d+\.distcp|{re.escape(TRAINER_FILE)})"
     rf"|\.(?:\.metadata|__\d+_\d+\.distcp|{re.escape(TRAINER_FILE)})\.[a-z0-9_]{{8}}\.tmp"
 )
+
+
+def _delete_own_files(directory: Path, passed_over: type[OSError]) -> tuple[bool, list[str]]:
+    """Delete the checkpoint's own files in ``directory``, then the directory once nothing else is in it; a failure of
+    the ``passed_over`` kind leaves that file (or the directory) as it is, any other is raised. Returns whether anything
+    was deleted, and the sorted names of what was left beside them (empty when the directory was emptied)."""
+    removed = False
+    for part in filter(_is_checkpoint_part, directory.iterdir()):
+        with suppress(passed_over):
+            part.unlink()
+            removed = True
+    kept = sorted(p.name for p in directory.iterdir())
+    if not kept:
+        with suppress(passed_over):
+            directory.rmdir()
+            removed = True
+    return removed, kept
 
 
 def _is_checkpoint_part(path: Path) -> bool:
