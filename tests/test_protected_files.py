@@ -439,10 +439,13 @@ def test_a_checkpoint_file_that_cannot_be_deleted_stops_a_save_but_not_a_removal
         clear_temp_dir(tmp)
     assert raised.value.filename == str(tmp / "__0_0.distcp")
     (tmp / "trainer.pt").write_bytes(b"half")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # it names the shard it could not delete
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert discard_checkpoint_dir(tmp, tmp)
     assert not (tmp / "trainer.pt").exists() and (tmp / "__0_0.distcp").exists()
+    said = [str(w.message) for w in caught]  # the shard it could not delete is named as its own, not as the user's
+    assert any("own __0_0.distcp could not be deleted" in m for m in said), said
+    assert not any("which ampkit did not write" in m for m in said), said
 
 
 def test_moving_a_sharded_alias_never_deletes_a_users_file_at_its_temp_name(tmp_path):

@@ -523,10 +523,18 @@ def discard_checkpoint_dir(directory: Path, home: Path) -> bool:
     if not removed and directory.exists():  # only the user's files, as a tidy before found and named them
         return False
     where = home if not directory.exists() else directory
-    rank_zero_warn(
-        f"'{where}' held {', '.join(kept)} beside the checkpoint, which ampkit did not write: the checkpoint's own "
-        "files were deleted and yours kept there; move them elsewhere if you want the folder gone"
-    )
+    stuck = [name for name in kept if _is_checkpoint_part(where / name)]
+    yours = [name for name in kept if name not in stuck]
+    if yours:
+        rank_zero_warn(
+            f"'{where}' held {', '.join(yours)} beside the checkpoint, which ampkit did not write: the checkpoint's "
+            "own files were deleted and yours kept there; move them elsewhere if you want the folder gone"
+        )
+    if stuck:
+        rank_zero_warn(
+            f"'{where}': the checkpoint's own {', '.join(stuck)} could not be deleted (check the folder's "
+            "permissions); they are left there"
+        )
     return removed
 
 
