@@ -77,6 +77,12 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     "detect_anomaly": "no config key: call torch.autograd.set_detect_anomaly(True) before fit()",
 }
 
+# What Lightning's None for a ModelCheckpoint interval does here (ampkit takes both intervals at once, Lightning one).
+LIGHTNING_NONE_INTERVAL = (
+    "Lightning's None saves every epoch where no other interval is set, else not by epoch: give every_n_epochs=1, or "
+    "every_n_steps=N with every_n_epochs=0 (0: never)"
+)
+
 # What Lightning's 0 for a setting ampkit counts from 1 (or -1) does here, for the error that refuses the 0.
 LIGHTNING_ZERO: dict[str, str] = {
     "save_top_k": "Lightning's 0 (save none) is checkpoint.enabled=false",
@@ -92,7 +98,10 @@ LIGHTNING_CALLBACK_ARGUMENTS: dict[str, dict[str, str]] = {
             "files are named by step (step-N.pt, epoch-N.pt, best-N.pt), whatever the metric; best_k_models maps "
             "each best file to its value"
         ),
-        "auto_insert_metric_name": "files are named by step, never by the metric",
+        "auto_insert_metric_name": (
+            "files are named by step, never by the metric; the {epoch} and {step} fields of CHECKPOINT_NAME_LAST "
+            "always carry their names (epoch=3-last.pt)"
+        ),
         "every_n_train_steps": "every_n_steps",
         "save_last": "last.pt is always written (a copy of the newest checkpoint)",
         "save_on_train_epoch_end": "a train/ monitor ranks at each epoch's end, any other at validations",
@@ -113,7 +122,11 @@ LIGHTNING_CALLBACK_ARGUMENTS: dict[str, dict[str, str]] = {
 def lightning_arguments_error(cls: type, names: list[str]) -> TypeError:
     """The TypeError of ``cls(**kwargs)`` given arguments ``names`` it lacks: each Lightning one with what does its
     work here (``every_n_train_steps: every_n_steps``), and the arguments ``cls`` takes."""
-    known = LIGHTNING_CALLBACK_ARGUMENTS.get(cls.__name__, {})
+    # A subclass (class MyCheckpoint(ModelCheckpoint)) takes the arguments of the ampkit class it extends
+    known = next(
+        (LIGHTNING_CALLBACK_ARGUMENTS[k.__name__] for k in cls.__mro__ if k.__name__ in LIGHTNING_CALLBACK_ARGUMENTS),
+        {},
+    )
     said = [f"{name} (Lightning's; here: {known[name]})" if name in known else name for name in sorted(names)]
     parameters = inspect.signature(cls.__init__).parameters.values()
     takes = [p.name for p in parameters if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]

@@ -557,20 +557,26 @@ class StepLog(ampkit.Callback):
 
 def callbacks_on_rank_zero(out: Path, base: dict) -> dict:
     """A fit per callback given on rank 0 alone (Lightning's ``[...] if rank == 0 else []``): a ModelCheckpoint and an
-    EarlyStopping take part in collectives (refused on every rank at set-up), a plain logging callback does not."""
+    EarlyStopping take part in collectives (refused on every rank at set-up), a plain logging callback does not. And a
+    subclass of ModelCheckpoint on rank 0 beside a ModelCheckpoint on rank 1: the same collectives, so it trains."""
     given = {"checkpoint": lambda: ModelCheckpoint(every_n_steps=1), "early_stopping": lambda: EarlyStopping("val/mse"),
-             "logging": StepLog}  # fmt: skip
+             "logging": StepLog,
+             "subclass": lambda: (RenamedCheckpoint if RANK == 0 else ModelCheckpoint)(every_n_steps=1)}  # fmt: skip
     outcomes = {}
     for name, make in given.items():
         trained = {**base["trainer"], "max_steps": 2, "val_every_n_steps": 1}
         cfg = {**base, "run_dir": str(out / name), "data": {"batch_size": 4}, "checkpoint": {"enabled": False},
                "trainer": trained, "distributed": {"timeout_s": 10}}  # fmt: skip
-        callbacks = [make()] if RANK == 0 else []
+        callbacks = [make()] if RANK == 0 or name == "subclass" else []
         outcome = _outcome(Plain(cfg, callbacks=callbacks))
         outcomes[name] = outcome[:2] if outcome[0] == "trained" else (outcome[0], outcome[1], outcome[3])
         if name == "logging" and callbacks:
             outcomes[name] += (callbacks[0].steps,)
     return outcomes
+
+
+class RenamedCheckpoint(ModelCheckpoint):
+    """A ModelCheckpoint under another name: it takes the same collectives as the class it extends."""
 
 
 class StopAtEpoch1Start(ampkit.Callback):

@@ -210,7 +210,8 @@ def test_a_callback_that_joins_collectives_on_rank_zero_alone_is_refused_on_ever
     """Lightning's ``callbacks=[ModelCheckpoint()] if rank == 0 else []``: rank 0 waited in the checkpoint's first
     save (rank zero decides it) for a rank that never joined, until distributed.timeout_s (10 s here). Every rank now
     refuses it as callbacks are set up, naming it and the rank that lacks it; a plain logging callback on rank 0 alone
-    takes part in no collective and trains as before."""
+    takes part in no collective and trains as before, and so does a subclass of ModelCheckpoint on rank 0 beside a
+    ModelCheckpoint on rank 1 (matched by name, it was refused though both take the same collectives)."""
     outcomes = [r for r in _ok(launch("callbacks_on_rank_zero", tmp_path, timeout=120))]
     for name in ("checkpoint", "early_stopping"):
         kind = {"checkpoint": "ModelCheckpoint", "early_stopping": "EarlyStopping"}[name]
@@ -222,6 +223,7 @@ def test_a_callback_that_joins_collectives_on_rank_zero_alone_is_refused_on_ever
             assert seconds < 5, (rank, name, seconds)
     assert outcomes[0]["logging"][:2] == outcomes[1]["logging"][:2] == ("trained", 2)
     assert outcomes[0]["logging"][2] == [1, 2]
+    assert outcomes[0]["subclass"] == outcomes[1]["subclass"] == ("trained", 2)
 
 
 def test_collective_callbacks_that_differ_across_ranks_are_named_with_the_ranks_lacking_them(monkeypatch):
@@ -245,6 +247,47 @@ def test_collective_callbacks_that_differ_across_ranks_are_named_with_the_ranks_
     rank_callbacks.check_collective_callbacks_on_every_rank([ampkit.Callback()], DistributedEnv(rank=1, world_size=3))
     monkeypatch.setattr(rank_callbacks, "gather_object", lambda value, env: pytest.fail("one process gathers"))
     rank_callbacks.check_collective_callbacks_on_every_rank(ranks[0], DistributedEnv())
+
+
+def test_collective_callbacks_are_matched_across_ranks_by_the_class_whose_collectives_they_take(monkeypatch):
+    """A subclass of ModelCheckpoint (or two differently named ones) lines up with a ModelCheckpoint on another rank:
+    they take the same collectives. Still refused: one on some ranks only (named by the class it extends and the name
+    given), another count, and a subclass that says it joins collectives of its own beside the plain class."""
+    from ampkit.callbacks import EarlyStopping, ModelCheckpoint
+    from ampkit.trainer import rank_callbacks
+    from ampkit.trainer.distributed import DistributedEnv
+
+    class BestOnly(ModelCheckpoint):
+        pass
+
+    class Periodic(ModelCheckpoint):
+        pass
+
+    class Gathering(ModelCheckpoint):  # an all_gather of its own in a hook: matched by its own name
+        takes_part_in_collectives = True
+
+    def check(*ranks):
+        gathered = [rank_callbacks.collective_callback_kinds(callbacks) for callbacks in ranks]
+        monkeypatch.setattr(rank_callbacks, "gather_object", lambda value, env: gathered)
+        env = DistributedEnv(rank=0, world_size=len(ranks))
+        rank_callbacks.check_collective_callbacks_on_every_rank(ranks[0], env)
+
+    check([BestOnly(), EarlyStopping("val/mse")], [ModelCheckpoint(), EarlyStopping("val/mse")])
+    check([BestOnly()], [Periodic()], [ModelCheckpoint()])
+    with pytest.raises(rank_callbacks.CallbacksDifferAcrossRanksError) as refused:
+        check([BestOnly(), EarlyStopping("val/mse")], [EarlyStopping("val/mse")])
+    assert str(refused.value).startswith("ModelCheckpoint (as BestOnly) is given on rank(s) 0 but not on rank(s) 1: ")
+    with pytest.raises(rank_callbacks.CallbacksDifferAcrossRanksError) as refused:
+        check([BestOnly(), Periodic()], [ModelCheckpoint()])
+    assert str(refused.value).startswith(
+        "ModelCheckpoint (as BestOnly, Periodic) is given 2 times on rank(s) 0 but fewer times on rank(s) 1: "
+    )
+    with pytest.raises(rank_callbacks.CallbacksDifferAcrossRanksError) as refused:
+        check([Gathering()], [ModelCheckpoint()])
+    assert str(refused.value).startswith(
+        "Gathering is given on rank(s) 0 but not on rank(s) 1; "
+        "ModelCheckpoint is given on rank(s) 1 but not on rank(s) 0"
+    )
 
 
 @pytest.mark.parametrize("scenario", ["train_monitor", "train_monitor_rank_zero_only"])

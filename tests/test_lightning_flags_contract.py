@@ -7,6 +7,7 @@ group, as Lightning's LearningRateMonitor logs it."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -296,6 +297,62 @@ def test_a_lightning_callback_argument_is_refused_naming_what_does_its_work_here
     with pytest.raises((TypeError, ValueError)) as caught:  # a 0 is a value out of range, as for the config keys
         build()
     assert hint in str(caught.value)
+
+
+# Lightning 2.x's ModelCheckpoint and EarlyStopping arguments, each with a value a port passes
+LIGHTNING_CHECKPOINT_ARGUMENTS = {
+    "dirpath": "ckpts", "filename": "{epoch}-{step}", "monitor": "val/loss", "verbose": True, "save_last": True,
+    "save_top_k": 3, "save_weights_only": True, "mode": "max", "auto_insert_metric_name": False,
+    "every_n_train_steps": 100, "train_time_interval": 3600, "every_n_epochs": 2, "save_on_train_epoch_end": True,
+    "enable_version_counter": False,
+}  # fmt: skip
+LIGHTNING_EARLY_STOPPING_ARGUMENTS = {
+    "min_delta": 0.01, "patience": 5, "verbose": True, "mode": "max", "strict": False, "check_finite": False,
+    "stopping_threshold": 0.1, "divergence_threshold": 10.0, "check_on_train_epoch_end": True,
+    "log_rank_zero_only": True,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("subclassed", [False, True])
+@pytest.mark.parametrize(
+    ("cls", "name", "value"),
+    [(ModelCheckpoint, name, value) for name, value in LIGHTNING_CHECKPOINT_ARGUMENTS.items()]
+    + [(EarlyStopping, name, value) for name, value in LIGHTNING_EARLY_STOPPING_ARGUMENTS.items()],
+)
+def test_every_lightning_callback_argument_is_taken_or_refused_naming_what_does_its_work_also_on_a_subclass(
+    cls, name, value, subclassed
+):
+    """Each of Lightning's arguments is one of ours (its behaviour pinned by the contract tests) or refused with what
+    does its work here. A subclass (class MyCheckpoint(ModelCheckpoint)) lost the hint: it was looked up by the
+    subclass's own name, so a port met only 'got arguments it does not take'."""
+    built = type(f"My{cls.__name__}", (cls,), {}) if subclassed else cls
+    needs = {"monitor": "val/loss"} if cls is EarlyStopping or name == "save_top_k" else {}
+    if name in inspect.signature(cls.__init__).parameters:
+        callback = built(**{**needs, name: value})
+        assert str(getattr(callback, name)) == str(value)  # monitor: a Monitor, whose str is the metric
+        return
+    with pytest.raises(TypeError) as refused:
+        built(**needs, **{name: value})
+    assert str(refused.value).startswith(
+        f"{built.__name__}() got arguments it does not take: {name} (Lightning's; here: "
+    )
+
+
+def test_a_callback_s_monitor_compares_equal_to_its_metric_name_as_lightning_s_string_does():
+    """Lightning's ``ckpt.monitor`` is the metric's name; here a Monitor, so a port's ``cb.monitor == "val/loss"`` was
+    False without a word. Two monitors of one name are still told apart (each callback's own)."""
+    checkpoint, stopper = ModelCheckpoint(monitor="val/loss"), EarlyStopping("val/loss", mode="max")
+    assert checkpoint.monitor == "val/loss" == stopper.monitor and "val/loss" == checkpoint.monitor
+    assert checkpoint.monitor != "val/acc" and checkpoint.monitor in {"val/loss"}
+    assert checkpoint.monitor != stopper.monitor and ModelCheckpoint().monitor is None
+
+
+@pytest.mark.parametrize("name", ["every_n_steps", "every_n_epochs"])
+def test_lightning_s_none_interval_is_refused_naming_what_gives_its_saves(name):
+    """Lightning's every_n_epochs=None (its default) means 1 or 0 by the other intervals: refused as only 'expected an
+    integer >= 0', naming nothing to give instead."""
+    with pytest.raises(ValueError, match=f"{name}=None is not taken here; Lightning's None saves every epoch where"):
+        ModelCheckpoint(**{name: None})
 
 
 @pytest.mark.parametrize(

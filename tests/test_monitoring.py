@@ -217,6 +217,50 @@ def test_a_checkpoint_keyed_by_class_name_still_resumes_early_stopping_and_the_b
     assert sorted(p.name for p in checkpoints.glob("best-*.pt")) == ["best-00000002.pt", "best-00000005.pt"]
 
 
+def test_a_subclass_resumed_with_another_monitor_gets_its_state_as_the_class_it_extends_does(tmp_path):
+    """A subclass of EarlyStopping is keyed as EarlyStopping[val/score]; resumed watching another metric, its state was
+    looked up by the subclass's own name, so it was left unrestored with a warning, where a plain EarlyStopping's is
+    handed over and counts afresh, saying why."""
+
+    class Patient(EarlyStopping):
+        pass
+
+    class TwoScores(Scripted):
+        def validation_step(self, batch):
+            score = self.scores[self.state.global_step - 1]
+            return {"score": score, "neg": -score}
+
+    def fit(max_steps, monitor, resume=None):
+        TwoScores.scores = [5, 4, 3, 2, 1.5, 1, 0.5, 0.2, 0.1]
+        settings = {**EVERY_STEP, "checkpoint.every_n_steps": 1, "trainer.max_steps": max_steps}
+        run = TwoScores(toy_cfg(tmp_path, **settings), callbacks=[Patient(monitor, patience=3)])
+        run.fit(resume=resume)
+        return run
+
+    fit(3, "val/score")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fit(9, "val/neg", resume="last")
+    said = [str(w.message) for w in caught]
+    assert not [line for line in said if "not restored" in line], said
+    assert [line for line in said if "early_stopping.monitor or mode changed" in line], said
+    assert resumed.state.global_step == 7  # best -2 at step 4, then three validations without improvement
+
+
+def test_a_subclass_finds_the_state_an_older_ampkit_keyed_by_its_own_class_name():
+    """Before states were keyed by their monitor, a subclass's was saved under its own name (Patient); keyed now as
+    the class it extends, it still finds that one, as it finds EarlyStopping[<another metric>]."""
+    from ampkit.trainer.callback_states import states_to_load
+
+    class Patient(EarlyStopping):
+        pass
+
+    stopper = Patient("val/score")
+    assert states_to_load([stopper], {"Patient": {"best": 1.0}}) == [(stopper, "Patient")]
+    assert states_to_load([stopper], {"EarlyStopping[val/x]": {}}) == [(stopper, "EarlyStopping[val/x]")]
+    assert states_to_load([stopper], {"Other": {}}) == []
+
+
 def test_two_early_stoppings_on_other_metrics_each_resume_their_own_count(tmp_path):
     """As Lightning's, keyed by their monitor: they were refused as one state_key. 'score' improves at every step,
     'neg' never after step 1: resumed at step 3, each goes on counting from where it was, and the one whose patience

@@ -43,8 +43,10 @@ class OnGpu(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cpu or (func is torch.Tensor.to and _names_cpu(args[1:], kwargs)):
+        if func is torch.Tensor.cpu:
             return args[0].as_subclass(torch.Tensor).clone()
+        if func is torch.Tensor.to and _names_cpu(args[1:], kwargs):  # a dtype named beside the device too
+            return args[0].as_subclass(torch.Tensor).to(*args[1:], **{**kwargs, "copy": True})
         return super().__torch_function__(func, types, args, kwargs)
 
 
@@ -655,6 +657,32 @@ def test_apexs_first_fp16_optimizer_reads_every_groups_check_and_norm_in_one_tra
             assert traffic.syncs == ["tolist of a GPU tensor"]
             assert optimizer.cur_scale == (2**15 if skipped else 2**16)
     assert [p.cpu().tolist() for p in groups[1]] == [[0.90380859375] * 2]  # stepped once: the skip left it
+
+
+def test_values_on_the_gpu_come_to_the_host_in_one_transfer_exact_and_typed_as_item():
+    """The one way ampkit reads device values: CPU ones where they are, the GPU's in one read whatever their dtypes
+    (float64 holds every float32, float16 and int32 exactly); an integer tensor's value is an int on the GPU as on the
+    CPU (a step count formatted or indexed with; it came back 3.0 from a GPU), a bool one's a bool."""
+    from ampkit.ops.host_values import host_numbers, host_vectors
+
+    with CountsHostTraffic() as traffic:
+        on_gpu = [torch.tensor([16777217], dtype=torch.int32), torch.tensor(0.1, dtype=torch.float16),
+                  torch.tensor(2.0**-20 * 3), torch.tensor(3), torch.tensor(True)]  # fmt: skip
+        on_gpu = [t.to("cuda", non_blocking=True) for t in on_gpu]
+        traffic.syncs.clear()
+        read = host_numbers([on_gpu[0], 5, None, torch.tensor(4), *on_gpu[1:]])
+        assert traffic.syncs == ["tolist of a GPU tensor"]
+        assert read == [16777217, 5, None, 4, float(torch.tensor(0.1, dtype=torch.float16)), 2.0**-20 * 3, 3, True]
+        assert [type(v) for v in read] == [int, int, type(None), int, float, float, int, bool]
+        traffic.syncs.clear()
+        same = host_numbers([torch.tensor(i).to("cuda", non_blocking=True) for i in range(3)])  # one dtype: as is
+        assert traffic.syncs == ["tolist of a GPU tensor"] and same == [0, 1, 2] and type(same[0]) is int
+        norms = torch.tensor([1.5, 2.5]).to("cuda", non_blocking=True)
+        traffic.syncs.clear()
+        vectors = host_vectors([norms, on_gpu[0], torch.ones(3), 0.5])
+        assert traffic.syncs == ["cpu of a GPU tensor"]
+    assert [v.tolist() for v in vectors] == [[1.5, 2.5], [16777217.0], [1.0] * 3, [0.5]]
+    assert all(v.dtype == torch.float64 and v.device.type == "cpu" for v in vectors)
 
 
 @pytest.mark.parametrize("op", ["scale_", "axpby_", "unscale_l2norm", "combine_"])

@@ -453,6 +453,40 @@ def test_a_sharded_save_clears_only_a_killed_save_s_files_from_its_temp_folder(t
         temp_names._named.clear()  # the next case's thing stands at the same name: said again
 
 
+def test_a_checkpoint_file_that_cannot_be_deleted_stops_a_save_but_not_a_removal(tmp_path, monkeypatch):
+    """Clearing a save's temp folder and discarding a removed checkpoint's share one loop, not one ending. Before a
+    save, a leftover shard that cannot be deleted (a read-only mount) is its own error, naming that file, not named as
+    the user's; a removal deletes what it can and carries on, as a tidy or a failing save's clean-up must."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from ampkit.trainer.sharded_checkpoint import discard_checkpoint_dir, free_temp_dir_name
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # as a Trainer sets it
+    unlink = Path.unlink
+
+    def refused(path: Path, missing_ok: bool = False) -> None:
+        if path.name == "__0_0.distcp":
+            raise PermissionError(13, "Permission denied", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    tmp = tmp_path / ".step-00000004.tmp"
+    tmp.mkdir()
+    for part in ("__0_0.distcp", "trainer.pt"):
+        (tmp / part).write_bytes(b"half")
+    with pytest.raises(PermissionError) as raised:
+        free_temp_dir_name(tmp_path / "step-00000004", "tmp")
+    assert raised.value.filename == str(tmp / "__0_0.distcp")
+    (tmp / "trainer.pt").write_bytes(b"half")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert discard_checkpoint_dir(tmp, tmp)
+    assert not (tmp / "trainer.pt").exists() and (tmp / "__0_0.distcp").exists()
+    said = [str(w.message) for w in caught]  # the shard it could not delete is named as its own, not as the user's
+    assert any("own __0_0.distcp could not be deleted" in m for m in said), said
+    assert not any("which ampkit did not write" in m for m in said), said
+
+
 def test_moving_a_sharded_alias_never_deletes_a_users_file_at_its_temp_name(tmp_path, named_once):
     """``point_last_at`` deleted whatever stood at ``.last.tmp`` before making its link there, then refused a file of
     the user's there, stopping the save. ampkit makes only a link to a checkpoint's name there, which a kill may leave

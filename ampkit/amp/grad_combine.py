@@ -28,6 +28,7 @@ from ampkit.amp.scaler import LossScaler, positive_option
 from ampkit.ops import multi_tensor
 from ampkit.ops._layout import local_shards
 from ampkit.ops._switches import checked_switch
+from ampkit.ops.host_values import host_numbers
 
 __all__ = ["CombineResult", "GradientCombiner", "read_flags", "unscale_and_check_"]
 
@@ -70,7 +71,7 @@ def _unscale_and_check_strided_(tensors: list[torch.Tensor], found_inf: torch.Te
 
 def read_flags(flags: Sequence[torch.Tensor]) -> list[bool]:
     """Read several one-element found_inf flags to the host with a single sync (non-zero means overflow)."""
-    return [value != 0.0 for value in multi_tensor.read_scalars(*flags)]
+    return [value != 0.0 for value in host_numbers(flags)]
 
 
 class CombineResult(NamedTuple):

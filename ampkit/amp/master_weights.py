@@ -23,6 +23,9 @@ class MasterWeights:
         optimizer: a ``torch.optim.Optimizer`` already built on the (cast) model's parameters; its
             low-precision parameters are replaced by fp32 masters in its ``param_groups`` and any
             optimizer state moves with them. One ``MasterWeights`` per optimizer.
+        frozen_masters: whether a low-precision parameter that does not require a gradient gets a master too. With
+            False (Apex's O2 rule) it stays in the groups as it is until it requires one: :meth:`adopt_unfrozen`
+            (or :meth:`refresh`) gives it its master then, from its current value.
 
     Attributes:
         model_params: every parameter of the optimizer as the model holds it.
@@ -30,10 +33,14 @@ class MasterWeights:
             master, or the parameter itself when it is already fp32).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, frozen_masters: bool = True) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(frozen_masters, bool):
+            raise TypeError(f"frozen_masters must be True or False, got {frozen_masters!r}")
         self.optimizer = optimizer
+        self.frozen_masters = frozen_masters
+        self._awaiting: dict[int, torch.Tensor] = {}  # id -> low-precision param left without a master while frozen
         self.model_params: list[torch.Tensor] = []
         self.master_params: list[torch.Tensor] = []
         self._low: list[torch.Tensor] = []  # model params that have a separate master
@@ -41,29 +48,56 @@ class MasterWeights:
         self.refresh()
 
     def refresh(self) -> None:
-        """Create masters for parameters added to the optimizer since (``add_param_group``)."""
+        """Create masters for parameters added to the optimizer since (``add_param_group``) and, without
+        ``frozen_masters``, for those unfrozen since."""
         known = {id(t) for t in self.master_params}
         state = self.optimizer.state
+        promoted = False
         for group in self.optimizer.param_groups:
             params = group["params"]
             self.check_new_params(params)  # a group added without the check (the Trainer's mid-run groups)
             for k, param in enumerate(params):
-                if id(param) in known:
+                waiting = id(param) in self._awaiting
+                if id(param) in known and not (waiting and param.requires_grad):
                     continue
-                if param.is_floating_point() and param.dtype != torch.float32:
-                    master = param.detach().to(torch.float32, copy=True).requires_grad_(param.requires_grad)
-                    if param.grad is not None:
-                        master.grad = param.grad.detach().float()
-                    params[k] = master
-                    if param in state:
-                        state[master] = state.pop(param)
+                if not self._wants_master(param):
+                    if param.is_floating_point() and param.dtype != torch.float32:
+                        self._awaiting[id(param)] = param
+                    self.model_params.append(param)
+                    self.master_params.append(param)
+                    known.add(id(param))
+                    continue
+                master = param.detach().to(torch.float32, copy=True).requires_grad_(param.requires_grad)
+                if param.grad is not None:
+                    master.grad = param.grad.detach().float()
+                params[k] = master
+                if param in state:
+                    state[master] = state.pop(param)
+                if waiting:  # its entry, in the groups' order, gets the master
+                    del self._awaiting[id(param)]
+                    self.master_params[next(i for i, p in enumerate(self.model_params) if p is param)] = master
+                    promoted = True
+                else:
+                    self.model_params.append(param)
+                    self.master_params.append(master)
                     self._low.append(param)
                     self._low_masters.append(master)
-                else:
-                    master = param
-                self.model_params.append(param)
-                self.master_params.append(master)
                 known.add(id(master))
+        if promoted:
+            pairs = [(p, m) for p, m in zip(self.model_params, self.master_params, strict=True) if m is not p]
+            self._low, self._low_masters = [p for p, _ in pairs], [m for _, m in pairs]
+
+    def adopt_unfrozen(self) -> bool:
+        """Give a master to each low-precision parameter left without one while frozen that requires a gradient now
+        (a layer unfrozen for fine-tuning); True when there was one. Cheap when there is none."""
+        if not any(p.requires_grad for p in self._awaiting.values()):
+            return False
+        self.refresh()
+        return True
+
+    def _wants_master(self, param: torch.Tensor) -> bool:
+        low = param.is_floating_point() and param.dtype != torch.float32
+        return low and (self.frozen_masters or param.requires_grad)
 
     def check_new_params(self, params: list[torch.Tensor]) -> None:
         """Refuse model parameters that already have a master here: torch's check for a parameter in two groups
@@ -83,28 +117,43 @@ class MasterWeights:
         if self._low:
             torch._foreach_copy_(self._low, self._low_masters)
 
+    def _low_precision_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each low-precision model parameter, in the groups' order, with its master (None while it has none)."""
+        return [
+            (p, None if m is p else m)
+            for p, m in zip(self.model_params, self.master_params, strict=True)
+            if m is not p or id(p) in self._awaiting
+        ]
+
     def state_dict(self) -> dict[str, Any]:
-        """The masters' values (in ``param_groups`` order), for checkpoints."""
-        return {"master_params": [m.detach().clone() for m in self._low_masters]}
+        """The masters' values, one entry per low-precision parameter in ``param_groups`` order (None for one left
+        without a master while frozen), for checkpoints."""
+        return {"master_params": [None if m is None else m.detach().clone() for _, m in self._low_precision_pairs()]}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the masters and copy them into the model where it does not hold their rounding already: a load
         between a forward and its backward (a script's wrapper of Apex's lazy init reloads its checkpoint there)
-        leaves the weights that the forward saved for the backward untouched."""
+        leaves the weights that the forward saved for the backward untouched. A parameter without a master here keeps
+        its value (the model's own state holds it); a master saved as None starts from its parameter."""
         if "master_params" not in state:
             raise KeyError(f"master weights state needs 'master_params'; got keys {sorted(state)}")
         saved = state["master_params"]
-        if len(saved) != len(self._low_masters):
+        pairs = self._low_precision_pairs()
+        if len(saved) != len(pairs):
             raise ValueError(
-                f"checkpoint holds {len(saved)} master weights but the optimizer has {len(self._low_masters)}"
+                f"checkpoint holds {len(saved)} master weights but the optimizer has {len(pairs)} low-precision "
+                "parameters"
             )
-        for i, (master, value) in enumerate(zip(self._low_masters, saved, strict=True)):  # all, before any copy
-            if not isinstance(value, torch.Tensor) or value.shape != master.shape:
+        for i, ((param, _), value) in enumerate(zip(pairs, saved, strict=True)):  # all, before any copy
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or value.shape != param.shape:
                 got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
-                raise ValueError(f"master_params[{i}] is {got}, expected a tensor of shape {tuple(master.shape)}")
-        for master, value in zip(self._low_masters, saved, strict=True):
-            master.copy_(value)
+                raise ValueError(f"master_params[{i}] is {got}, expected a tensor of shape {tuple(param.shape)}")
+        for (param, master), value in zip(pairs, saved, strict=True):
+            if master is not None:
+                master.copy_(param if value is None else value)
         stale = [(p, m) for p, m in zip(self._low, self._low_masters, strict=True) if not torch.equal(p, m.to(p.dtype))]
         if stale:
             torch._foreach_copy_([p for p, _ in stale], [m for _, m in stale])

@@ -13,13 +13,15 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
+from ampkit.callbacks.checkpoint_names import LIGHTNING_NAMING, check_naming, is_own_name, last_file_name
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
-from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
+from ampkit.lightning_settings import LIGHTNING_NONE_INTERVAL, LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     copy_atomic,
     deletable,
+    foreign_file,
     from_storage,
     is_best_k_checkpoint_name,
     refuse_foreign,
@@ -63,13 +65,24 @@ class ModelCheckpoint(KeyedByMonitor):
     A run resumed with another ``monitor`` or ``mode`` ranks afresh; the earlier ranking's files are kept.
     Beside another one (the config's, and a best-k one in code) the step and epoch files have one writer, the first
     that saves them: it alone writes them, prunes them by its ``keep_last`` and makes the run's end save.
+
+    Lightning's ``CHECKPOINT_NAME_LAST`` (``"{epoch}-last"``, set on the class, a subclass or an instance) names a copy
+    of each checkpoint it saves, formatted as Lightning's (``epoch=3-last.pt``, the previous one removed), beside
+    ``last.pt``, which ``--resume last`` reads; Lightning's other naming attributes are refused where changed.
     """
+
+    CHECKPOINT_NAME_LAST: str = LIGHTNING_NAMING["CHECKPOINT_NAME_LAST"]
+    CHECKPOINT_JOIN_CHAR: str = LIGHTNING_NAMING["CHECKPOINT_JOIN_CHAR"]
+    CHECKPOINT_EQUALS_CHAR: str = LIGHTNING_NAMING["CHECKPOINT_EQUALS_CHAR"]
+    FILE_EXTENSION: str = LIGHTNING_NAMING["FILE_EXTENSION"]
+    STARTING_VERSION: int = LIGHTNING_NAMING["STARTING_VERSION"]
 
     phase = Phase.PERSIST
     saves_checkpoints = True  # after every other PERSIST hook: its save holds what they did
     # Its monitor reads what was logged: it runs after every other checkpoint writer too (Lightning runs it last), so
     # a value one of them logs at that hook is ranked, wherever that one stands in the list.
     reads_logged_values = True
+    takes_part_in_collectives = True  # rank zero decides saves; a subclass on another rank takes the same ones
 
     def __init__(
         self,
@@ -83,6 +96,10 @@ class ModelCheckpoint(KeyedByMonitor):
     ) -> None:
         if lightning_only:  # dirpath, filename, save_last...: a port hears what does their work here
             raise lightning_arguments_error(type(self), list(lightning_only))
+        check_naming(self, sharded=False)  # a subclass's; one set on the instance later is checked as a fit starts
+        for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
+            if value is None:  # Lightning's default, whose meaning depends on the other intervals
+                raise ValueError(f"ModelCheckpoint: {name}=None is not taken here; {LIGHTNING_NONE_INTERVAL}")
         every_n_steps = interval_option(every_n_steps, "ModelCheckpoint: every_n_steps", zero_means="never")
         every_n_epochs = interval_option(every_n_epochs, "ModelCheckpoint: every_n_epochs", zero_means="never")
         keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
@@ -100,6 +117,7 @@ class ModelCheckpoint(KeyedByMonitor):
         # 0 or "" was no monitor, silently (the config refuses a blank one)
         # default_callbacks names the config key of the config's
         self.monitor = None if monitor is None else Monitor(monitor, mode)
+        self._mode = mode
         if save_top_k not in (1, -1) and self.monitor is None:
             raise ValueError(
                 f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "
@@ -126,6 +144,12 @@ class ModelCheckpoint(KeyedByMonitor):
         self._inherited: list[str] = []  # a branch's ranked files, in the run it branched from: copied at its save
         self._inherit_from: Path | None = None  # that run's checkpoints directory
         self._branched_newest = ""  # a branch's best_model_path without a monitor until it saves: its origin's file
+        self._named_last: str | None = None  # the CHECKPOINT_NAME_LAST file it wrote last (None: last.pt alone)
+
+    @property
+    def mode(self) -> str:
+        """Lightning's ``mode``: ``min`` or ``max``, as given (also without a ``monitor``)."""
+        return self._mode
 
     @property
     def best_k_models(self) -> dict[str, float]:
@@ -192,6 +216,8 @@ class ModelCheckpoint(KeyedByMonitor):
         saved = next((name for cb in self._peers for name in (cb._newest, *cb.best_k, *cb.kept) if name), None)
         if saved is None or self._directory is None:
             return ""
+        if self._named_last is not None:  # Lightning's: the file its CHECKPOINT_NAME_LAST names
+            return str(self._directory / self._named_last)
         return str(self._directory / ("last.pt" if saved.endswith(".pt") else LAST))
 
     @property
@@ -209,6 +235,7 @@ class ModelCheckpoint(KeyedByMonitor):
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
         (all of this directory's own lineage; its temp files went before: see ``ampkit.trainer.run_life``)."""
         peers = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+        check_naming(self, trainer.sharded)  # CHECKPOINT_NAME_LAST set on the instance, as Lightning's docs show
         if self.monitor is not None:
             self.monitor.check_reachable(trainer)
             rankers = [str(cb.monitor) for cb in peers if cb.monitor is not None]
@@ -249,6 +276,7 @@ class ModelCheckpoint(KeyedByMonitor):
                 named if named is not None and named.exists() else trainer.fit_start.branched_from
             )
             self.kept, self._newest, self._protected_before = [], None, []
+            self._named_last = None  # that run's named last file is in its own directory: not this one's to remove
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
         # every rank here, or the others would train on into a collective it never joins.
         decided_by_rank_zero(partial(self._tidy, trainer, peers), trainer.dist)
@@ -395,12 +423,14 @@ class ModelCheckpoint(KeyedByMonitor):
         protected = sorted(path.name for path in self._protected if path.exists())
         newest = {} if self._newest is None else {"newest": self._newest}
         current = {} if self._current is None else {"current_score": self._current}
+        named = {} if self._named_last is None else {"named_last": self._named_last}
         return {
             "best_k": dict(self.best_k),
             "kept": list(self.kept),
             "protected": protected,
             **newest,
             **current,
+            **named,
             **ranked_by,
         }
 
@@ -420,7 +450,14 @@ class ModelCheckpoint(KeyedByMonitor):
         """The saved ranking; one by another monitor or mode is set aside (its files kept) and ranking restarts."""
         best_k, kept, protected = dict(state.get("best_k", {})), list(state.get("kept", [])), state.get("protected", [])
         newest = state.get("newest")  # absent before this ampkit, and before a first save
-        self._check_names([*best_k, *kept], [*protected, *([] if newest is None else [newest])])
+        named = state.get("named_last")  # as newest, and where CHECKPOINT_NAME_LAST was 'last'
+        self._check_names([*best_k, *kept], [*protected, *(name for name in (newest, named) if name is not None)])
+        if named is not None and is_own_name(named):  # the next save would remove that file as the previous copy
+            raise CheckpointError(
+                f"the checkpoint's {self.state_key} state names {named!r} as its CHECKPOINT_NAME_LAST copy, which is "
+                "the name of one of ampkit's own checkpoint files: the checkpoint was edited or is damaged; resume an "
+                "earlier one"
+            )
         current = state.get("current_score")  # as newest
         if current is not None and (isinstance(current, bool) or not isinstance(current, numbers.Real)):
             raise CheckpointError(
@@ -429,7 +466,7 @@ class ModelCheckpoint(KeyedByMonitor):
             )
         # Only once all of it is checked: a refused state leaves the ranking this callback had.
         self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
-        self._newest = newest
+        self._newest, self._named_last = newest, named
         self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
@@ -465,16 +502,17 @@ class ModelCheckpoint(KeyedByMonitor):
             return self._save(trainer, filename, best)
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
-        previous = self._newest
+        previous, named = self._newest, self._named_last
         if filename != best:  # a step or epoch file (a best-k one alone is named after its ranking), recorded first:
             self._newest = Path(filename).stem if trainer.sharded else filename  # its own state names it
+        self._named_last = last_file_name(self, trainer.state.epoch, trainer.state.global_step)  # as Lightning's, first
         try:
-            return self._write_everywhere(trainer, filename, best)
+            return self._write_everywhere(trainer, filename, best, named)
         except BaseException:  # a failed save (a full disk): best_model_path names the file before it, which is there
-            self._newest = previous
+            self._newest, self._named_last = previous, named
             raise
 
-    def _write_everywhere(self, trainer, filename: str, best: str | None) -> Path | None:
+    def _write_everywhere(self, trainer, filename: str, best: str | None, named: str | None) -> Path | None:
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
         if (entry := unloadable_entry(checkpoint)) is not None:  # found at the first save, not at the resume
             raise CheckpointError(
@@ -489,7 +527,8 @@ class ModelCheckpoint(KeyedByMonitor):
             return self._save_sharded(trainer, checkpoint, Path(filename).stem, best, inherited)
         # Rank zero writes the file; where that fails (a full disk) every rank stops here with its error, rather than
         # training on into a collective rank zero never joins.
-        path = decided_by_rank_zero(partial(self._write, trainer, checkpoint, filename, best, inherited), trainer.dist)
+        write = partial(self._write, trainer, checkpoint, filename, best, inherited, named)
+        path = decided_by_rank_zero(write, trainer.dist)
         trainer.rank_zero_last = path.parent / "last.pt"  # every rank: a failure's note names rank zero's
         return path if trainer.is_global_zero else None
 
@@ -535,22 +574,34 @@ class ModelCheckpoint(KeyedByMonitor):
             )
 
     def _write(
-        self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None, inherited: list[str]
+        self,
+        trainer,
+        checkpoint: dict[str, Any],
+        filename: str,
+        best: str | None,
+        inherited: list[str],
+        replaced_last: str | None,
     ) -> Path:
         """Rank zero's part of a save: the file, a branch's inherited best-k files (its first save), its best-k copies,
-        ``last.pt``, then the pruning. ``last.pt`` moves last: a kill before leaves the previous one."""
+        ``last.pt`` (then the ``CHECKPOINT_NAME_LAST`` copy, and ``replaced_last``, the one before it, goes), then the
+        pruning. ``last.pt`` moves last: a kill before leaves the previous one."""
         directory, path = trainer.version_dir / "checkpoints", None
         new_best = best is not None and best == next(iter(self.best_k))  # best.pt copies it (else it holds it already)
         names = [filename, *([best] if best not in (None, filename) else []), *(["best.pt"] if new_best else [])]
+        named = [] if self._named_last is None else [self._named_last]
         writing = directory / filename
         try:
-            for name in (*names, "last.pt"):  # a file of the user's at any of them stops the save before it writes
+            for name in (*names, "last.pt", *named):  # a file of the user's at any stops the save before it writes
                 refuse_foreign(writing := directory / name)
             path = save_atomic(checkpoint, writing := directory / filename)
             self._copy_inherited(trainer, inherited)
             for name in names[1:]:
                 copy_atomic(path, writing := directory / name)
             copy_atomic(path, writing := directory / "last.pt")
+            for name in named:
+                copy_atomic(path, writing := directory / name)
+            if replaced_last not in (None, *named) and not foreign_file(writing := directory / replaced_last):
+                (directory / replaced_last).unlink(missing_ok=True)  # Lightning's save_last removes the previous too
         except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
             reason = exc.strerror or str(exc)
             if directory.exists() and not directory.is_dir():  # mkdir's bare "File exists" named no culprit

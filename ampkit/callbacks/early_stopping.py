@@ -46,6 +46,7 @@ class EarlyStopping(KeyedByMonitor):
     # module's hooks.
     hook_phases = {"on_train_epoch_end": Phase.PERSIST, "on_validation_end": Phase.PERSIST}
     reads_logged_values = True  # and after a PERSIST-phase callback that logs the monitored value, wherever it stands
+    takes_part_in_collectives = True  # rank zero's monitored value is broadcast; a subclass takes the same collectives
 
     def __init__(
         self,
@@ -91,6 +92,16 @@ class EarlyStopping(KeyedByMonitor):
         # Lightning's too: which rule stopped the run, and the line that said why (None while none did)
         self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
         self.stopping_reason_message: str | None = None
+
+    @property
+    def mode(self) -> str:
+        """Lightning's ``mode``: ``min`` or ``max``."""
+        return self.monitor.mode
+
+    @property
+    def min_delta(self) -> float:
+        """Lightning's ``min_delta``, as given (>= 0; Lightning's holds it negated in ``min`` mode)."""
+        return self.monitor.min_delta
 
     @property
     def wait_count(self) -> int:

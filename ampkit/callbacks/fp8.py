@@ -6,6 +6,7 @@ import torch
 
 from ampkit.amp.fp8 import ROLES, Float8Recorder, is_float8_linear, recipe_named
 from ampkit.amp.scaler import interval_option
+from ampkit.ops.host_values import host_vectors
 from ampkit.trainer.callback import Callback, Phase
 
 
@@ -67,9 +68,9 @@ class Float8Telemetry(Callback):
 
     def _log_histograms(self, trainer, stats) -> None:
         per_role = {role: [r[role].scales for r in stats.values() if role in r] for role in ROLES}
-        per_role = {role: torch.cat(scales).float() for role, scales in per_role.items() if scales}
-        host = torch.cat(list(per_role.values())).cpu()  # one read for every layer and role
-        for role, values in zip(per_role, host.split([v.numel() for v in per_role.values()]), strict=True):
+        per_role = {role: torch.cat(scales) for role, scales in per_role.items() if scales}
+        host = host_vectors(per_role.values())  # one read for every layer and role
+        for role, values in zip(per_role, host, strict=True):
             log2 = values[values > 0].log2()
             log2 = log2[log2.isfinite()]  # an inf amax gives a zero scale: shown by the amax scalar instead
             if log2.numel():

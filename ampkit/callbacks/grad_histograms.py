@@ -8,6 +8,7 @@ import torch
 
 from ampkit.amp import MasterWeights
 from ampkit.amp.scaler import interval_option
+from ampkit.ops.host_values import host_numbers
 from ampkit.trainer.callback import Callback, Phase
 
 
@@ -54,7 +55,7 @@ class GradientHistograms(Callback):
     def on_optimizer_step_skipped(self, trainer, optimizer: torch.optim.Optimizer, loss_ids: list[Any]) -> None:
         params = parameter_names(trainer.module, optimizer, trainer.optimizer_state[optimizer].master_weights)
         grads = [p.grad for _, p in params if p.grad is not None]
-        finite = torch.stack([g.isfinite().all() for g in grads]).tolist() if grads else []  # one sync
+        finite = host_numbers(g.isfinite().all() for g in grads)  # one sync, wherever they are
         with_grad = [name for name, p in params if p.grad is not None]
         culprits = [name for name, ok in zip(with_grad, finite, strict=True) if not ok]
         opt_name = trainer.optimizer_state[optimizer].name

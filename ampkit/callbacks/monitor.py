@@ -46,6 +46,14 @@ class Monitor:
         for several instances of one class) is the same in every process, so a resume finds each one's state."""
         return self.metric
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to its metric's name, as Lightning's ``monitor`` is that string: a port's ``ckpt.monitor ==
+        "val/loss"`` was False, silently. Two monitors are equal only where they are one."""
+        return self.metric == other if isinstance(other, str) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.metric)  # as its name's: equal objects hash alike
+
     def value(self, metrics: dict[str, float], trainer) -> float:
         """The monitored value among ``metrics`` of the validation that just ran, or a value logged under the
         monitored tag in its ``on_validation_end`` (an AUC a callback or the Trainer computes there, as Lightning
@@ -151,7 +159,6 @@ class KeyedByMonitor(Callback):
     a metric of its own it runs beside it."""
 
     state_key_may_change = True
-    takes_part_in_collectives = True  # rank zero decides saves, broadcasts monitored values
     monitor: Monitor | None
 
     @property

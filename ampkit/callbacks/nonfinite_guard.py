@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ampkit.amp.scaler import interval_option
-from ampkit.ops.multi_tensor import read_scalars
+from ampkit.ops.host_values import host_numbers
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.distributed import all_reduce_sum
 from ampkit.trainer.finite_weights import nonfinite_entries
@@ -86,7 +86,7 @@ class NonFiniteGuard(Callback):
         if not self._applied:
             return None
         steps = [(iteration, loss) for iteration, losses in self._applied for loss in losses]
-        values = read_scalars(*(loss for _, loss in steps))  # one sync
+        values = host_numbers(loss for _, loss in steps)  # one sync
         for (iteration, _), value in zip(steps, values, strict=True):
             if not math.isfinite(value):
                 return iteration, value

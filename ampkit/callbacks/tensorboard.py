@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from ampkit.amp.scaler import interval_option
 from ampkit.config import flatten, one_max_time
 from ampkit.ops._switches import checked_switch
-from ampkit.ops.multi_tensor import read_scalars
+from ampkit.ops.host_values import host_numbers
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import from_storage
 from ampkit.trainer.distributed import decided_by_rank_zero
@@ -367,9 +367,9 @@ class TensorBoardLogger(Callback):
         if not self._window:
             return state
         tensors = [v for values in self._window.values() for v in values if isinstance(v, torch.Tensor)]
-        read = iter(read_scalars(*tensors))
+        read = iter(host_numbers(tensors))
         state["window"] = {
-            key: [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+            key: [float(next(read) if isinstance(v, torch.Tensor) else v) for v in values]
             for key, values in self._window.items()
         }
         return state
@@ -410,7 +410,7 @@ class TensorBoardLogger(Callback):
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         tensors = [v for _, _, value in rows for v in _as_list(value) if isinstance(v, torch.Tensor)]
-        read = iter(read_scalars(*tensors))
+        read = iter(host_numbers(tensors))
         by_step: dict[int, dict[str, Any]] = {}
         for step, tag, value in rows:
             numbers = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in _as_list(value)]

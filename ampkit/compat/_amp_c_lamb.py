@@ -24,12 +24,13 @@ from torch import Tensor
 
 from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.ops import multi_tensor
+from ampkit.ops._dtypes import HALF_DTYPES
 from ampkit.ops._layout import is_dense
 from ampkit.ops._switches import checked_switch
+from ampkit.ops.host_values import host_vectors
 from ampkit.ops.optimizers._kernels import op
 
 TensorLists = Sequence[Sequence[Tensor]]
-_REDUCED = (torch.float16, torch.bfloat16)
 
 
 def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]) -> list[list[Tensor]]:
@@ -81,24 +82,6 @@ def scalar_arg(op_name: str, name: str, value: Tensor | float) -> float:
     return float(value)
 
 
-def read_on_host(*values: Tensor | float) -> list[Tensor]:
-    """``values`` (numbers or tensors of any size) as flat float64 CPU tensors, those off the CPU copied to the
-    host in one transfer (one sync on CUDA, where reading each was one apiece)."""
-    on_device = [isinstance(v, Tensor) and v.device.type != "cpu" for v in values]
-    off_cpu = [v.detach() for v, there in zip(values, on_device, strict=True) if there]
-    copied = iter(())
-    if off_cpu:
-        device = off_cpu[0].device
-        flat = torch.cat([v.reshape(-1).double().to(device, non_blocking=True) for v in off_cpu]).cpu()
-        copied = iter(flat.split([v.numel() for v in off_cpu]))
-    host = []
-    for value, there in zip(values, on_device, strict=True):
-        if not there:
-            value = torch.as_tensor(value.detach() if isinstance(value, Tensor) else value, dtype=torch.float64)
-        host.append(next(copied) if there else value.reshape(-1))
-    return host
-
-
 def flag_if_not_finite(values: Tensor, noop_flag: Tensor) -> None:
     """Apex's norm kernels raise the flag on an inf/nan partial sum: raised here on the device, nothing read."""
     noop_flag.masked_fill_(~torch.isfinite(values).all().to(noop_flag.device), 1)
@@ -144,7 +127,7 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
 def _grad_dtype(grads: list[Tensor], param: Tensor) -> torch.dtype:
     """What ampkit's kernels read: the parameter's dtype, or float32 grads of fp16/bf16 params, all alike."""
     dtype = grads[0].dtype
-    allowed = (param.dtype, torch.float32) if param.dtype in _REDUCED else (param.dtype,)
+    allowed = (param.dtype, torch.float32) if param.dtype in HALF_DTYPES else (param.dtype,)
     return dtype if dtype in allowed and all(g.dtype == dtype for g in grads) else _acc_dtype(param)
 
 
@@ -205,7 +188,7 @@ def trust_ratios(lr: float, param_norms: Tensor, update_norms: Tensor, weight_de
     are read only where the ratio applies, both in one transfer."""
     if not (use_nvlamb or weight_decay != 0):
         return torch.full((param_norms.numel(),), float(lr), dtype=torch.float64)
-    param_norms, update_norms = read_on_host(param_norms, update_norms)
+    param_norms, update_norms = host_vectors([param_norms, update_norms])
     usable = (param_norms != 0) & (update_norms != 0)
     return torch.where(usable, lr * (param_norms / update_norms.where(usable, 1.0)), lr).contiguous()
 
@@ -275,6 +258,10 @@ def multi_tensor_lamb(
         flag_if_not_finite(global_grad_norm, noop_flag)
     param_norms = _per_tensor_norms(params)
     flag_if_not_finite(param_norms, noop_flag)
+    # Two host reads per call (syncs on CUDA), kept: the global norm here, as stage 1's clip is the lamb_stage1 op's
+    # host double grad_factor, and the per-tensor norms in trust_ratios (only with weight decay or use_nvlamb), as
+    # the lamb_stage2 op takes its ratios as a float64 CPU vector (per_tensor_values, csrc/optimizers/list_checks.h)
+    # and the norms of the direction exist only after stage 1. Both ops would need device-side scalars to drop them.
     clip = clip_ratio(scalar_arg("multi_tensor_lamb", "global_grad_norm", global_grad_norm), max_grad_norm)
     updates = lamb_direction(
         params, [], grads, exp_avgs, exp_avg_sqs, float(step), beta1=beta1, beta2=beta2, eps=epsilon,
@@ -333,11 +320,11 @@ def multi_tensor_lamb_mp(
         check_scalar(name, arg, value)
     # fp16/bf16 model params get their rounded copy from the fp32 masters the kernels update; full-precision
     # "model params" in a fifth list are copied from the params after the step.
-    with_masters = len(lists) == 5 and lists[4][0].dtype in _REDUCED
+    with_masters = len(lists) == 5 and lists[4][0].dtype in HALF_DTYPES
     model_params, masters = (lists[4], params) if with_masters else (params, [])
     # What the host needs before stage 1, in one transfer: the flag, step, the scalars and the param norms.
-    flag, step_now, *numbers, param_norms = read_on_host(
-        noop_flag.reshape(-1)[:1], step.reshape(-1)[:1], *scalars.values(), _per_tensor_norms(params)
+    flag, step_now, *numbers, param_norms = host_vectors(
+        [noop_flag.reshape(-1)[:1], step.reshape(-1)[:1], *scalars.values(), _per_tensor_norms(params)]
     )
     inv_scale, lr, global_grad_norm, max_grad_norm = (float(n) for n in numbers)
     if bool(flag[0]):
@@ -351,7 +338,8 @@ def multi_tensor_lamb_mp(
         bias_correction=bias_correction, grad_factor=inv_scale / clip_ratio(global_grad_norm, max_grad_norm),
     )  # fmt: skip
     _copy_into(grads, updates)  # Apex left the direction in .grad and took its norm from there
-    (update_norms,) = read_on_host(_per_tensor_norms(grads))
+    # the second host read, kept: the ratios the lamb_stage2 op takes are a float64 CPU vector (see multi_tensor_lamb)
+    (update_norms,) = host_vectors([_per_tensor_norms(grads)])
     if not bool(torch.isfinite(update_norms).all()):
         noop_flag.fill_(1)
         return
@@ -383,8 +371,9 @@ def multi_tensor_lamb_stage1_cuda(
     if not params:
         return
     check_scalar(name, "global_grad_norm", global_grad_norm)
-    decays, norm = read_on_host(_check_per_tensor(name, "per_tensor_decay", per_tensor_decay, len(params)),
-                                 global_grad_norm)  # fmt: skip
+    decays, norm = host_vectors(
+        [_check_per_tensor(name, "per_tensor_decay", per_tensor_decay, len(params)), global_grad_norm]
+    )
     clip = clip_ratio(float(norm), max_global_grad_norm)
     decays = decays.tolist()
     for decay in dict.fromkeys(decays):  # ampkit's kernel takes one weight decay: one call per distinct value

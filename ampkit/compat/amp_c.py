@@ -31,7 +31,8 @@ from ampkit.compat._amp_c_lamb import (
 from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.missing_name import missing_name
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import ScalerTensors, _skip_flag, decay_weights_, host_numbers
+from ampkit.ops.host_values import host_numbers
+from ampkit.ops.optimizers._base import ScalerTensors, _skip_flag, decay_weights_
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers.sgd import sgd_step
 
@@ -429,6 +430,11 @@ def multi_tensor_novograd(
     grad_norms.copy_(blended)
     bias_correction1 = 1 - beta1**step if bias_correction else 1.0
     bias_correction2 = (1 - beta2**step) ** 0.5 if bias_correction else 1.0
+    # One host read per call (a sync on CUDA), kept: ampkit's novograd_step op takes its denominators as a float64
+    # CPU vector (per_tensor_values in csrc/optimizers/list_checks.h refuses a device tensor), and its CUDA
+    # multi-tensor path copies them back to the device (novograd_step_cuda in csrc/optimizers/optimizers_cuda.cpp).
+    # Dropping it needs that op to take them on the params' device, which its per-tensor CUDA path (a host double per
+    # launch) cannot. FusedNovoGrad's step reads every bucket's in one transfer instead.
     denoms = (blended / bias_correction2 + epsilon).cpu().contiguous()
     op("novograd_step", params[0].device)(
         params, grads, exp_avgs, [], denoms, float(lr), beta1, weight_decay, moment_mode == 0,

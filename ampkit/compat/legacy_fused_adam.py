@@ -31,14 +31,15 @@ import torch
 from ampkit.amp.scaler import float32_scale, interval_option, positive_option
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
+from ampkit.compat.fp16_utils.loss_scaler import next_dynamic_scale
 from ampkit.ops._switches import checked_switch
-from ampkit.ops.multi_tensor import read_scalars, unscale_l2norm
+from ampkit.ops.host_values import host_numbers
+from ampkit.ops.multi_tensor import unscale_l2norm
 from ampkit.ops.optimizers._base import (
     check_betas,
     check_group_at_step,
     check_group_hypers,
     check_hyper,
-    host_numbers,
 )
 from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
 
@@ -374,7 +375,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
             group_norms.append(unscale_l2norm(present, 1.0, flags[-1]).total)
         # every group's inf check and norm read in one transfer (a GPU sync each was two per group): the norms reach
         # the step as host numbers, as Apex's did
-        values = read_scalars(*flags, *group_norms)
+        values = host_numbers([*flags, *group_norms])
         overflow = any(value != 0 for value in values[: len(flags)])
         norms = values[len(flags) :]
         if not overflow:
@@ -401,10 +402,9 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
                 if self.verbose:
                     print("\nGrad overflow on iteration", self.cur_iter)
                     print("Using dynamic loss scale of", self.cur_scale)
-                self.cur_scale = max(self.cur_scale / self.scale_factor, 1)
-                self.last_overflow_iter = self.cur_iter
-            elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                self.cur_scale *= self.scale_factor
+            self.cur_scale, self.last_overflow_iter = next_dynamic_scale(
+                self.cur_scale, skip, self.cur_iter, self.last_overflow_iter, self.scale_factor, self.scale_window
+            )
         elif skip:
             print("\nGrad overflow on iteration", self.cur_iter)
             print("Using static loss scale of", self.cur_scale)

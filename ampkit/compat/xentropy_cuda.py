@@ -16,12 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ampkit.ops._dtypes import HALF_DTYPES, KERNEL_DTYPES
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.optimizers._base import check_hyper
 
 __all__ = ["backward", "forward"]
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _accumulate_dtype(logits: Tensor) -> torch.dtype:
@@ -29,7 +28,7 @@ def _accumulate_dtype(logits: Tensor) -> torch.dtype:
 
 
 def _check(op: str, logits: Tensor, labels: Tensor) -> None:
-    if logits.dtype not in (*_LOW_PRECISION, torch.float32, torch.float64):
+    if logits.dtype not in KERNEL_DTYPES:
         raise TypeError(f"xentropy_cuda.{op}: logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
     for name, tensor in (("logits", logits), ("labels", labels)):  # both failed in the dispatcher or a kernel
         if tensor.layout != torch.strided:
@@ -61,7 +60,7 @@ def forward(logits: Tensor, labels: Tensor, smoothing: float, half_to_float: boo
     """``(losses, max_log_sum_exp)``: the label-smoothed cross-entropy of each row and the row's log-sum-exp."""
     _check("forward", logits, labels)
     half_to_float = checked_switch("xentropy_cuda.forward", "half_to_float", half_to_float)
-    if half_to_float and logits.dtype not in _LOW_PRECISION:
+    if half_to_float and logits.dtype not in HALF_DTYPES:
         raise ValueError(
             f"xentropy_cuda.forward: half_to_float=True takes float16 or bfloat16 logits, got {logits.dtype}; pass "
             "half_to_float=False"
@@ -88,7 +87,7 @@ def backward(grad_loss: Tensor, logits: Tensor, max_log_sum_exp: Tensor, labels:
         )
     accumulate = _accumulate_dtype(logits)
     x = logits.to(accumulate)
-    if max_log_sum_exp.dtype in _LOW_PRECISION:  # forward without half_to_float kept it rounded: take it again
+    if max_log_sum_exp.dtype in HALF_DTYPES:  # forward without half_to_float kept it rounded: take it again
         log_sum_exp = torch.logsumexp(x, dim=1)
     else:
         log_sum_exp = max_log_sum_exp.reshape(rows).to(accumulate)

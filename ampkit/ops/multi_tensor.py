@@ -40,10 +40,8 @@ __all__ = [
     "L2Norm",
     "axpby_",
     "combine_",
-    "gather_scalars",
     "kernel_available",
     "l2norm",
-    "read_scalars",
     "scale_",
     "unscale_l2norm",
 ]
@@ -66,40 +64,6 @@ class L2Norm(NamedTuple):
 
     total: torch.Tensor
     per_tensor: torch.Tensor | None
-
-
-def read_scalars(*tensors: torch.Tensor | None) -> list[float | None]:
-    """The values of one-element tensors as Python floats (``None`` stays ``None``): CPU ones read where they
-    are, the others copied to the host together, so one synchronization on CUDA however many are given."""
-    present = [t for t in tensors if t is not None]
-    on_cpu = iter(_read_cpu_scalars([t for t in present if t.is_cpu]))
-    on_device = iter(gather_scalars([t for t in present if not t.is_cpu]))
-    return [None if t is None else next(on_cpu) if t.is_cpu else next(on_device) for t in tensors]
-
-
-def _read_cpu_scalars(tensors: list[torch.Tensor]) -> list[float]:
-    """CPU scalars' values. Zero-dim ones of one dtype (a window of losses) are stacked and read in two torch calls
-    however many there are: inside a training loop each torch call costs microseconds of dispatch, well above
-    what a tight loop shows (ten losses: 0.3% of a tiny model's step)."""
-    if len(tensors) > 2:
-        dtype = tensors[0].dtype
-        if all(t.dim() == 0 and t.dtype == dtype for t in tensors):
-            return [float(v) for v in torch.stack(tensors).tolist()]
-    return [float(t) for t in tensors]
-
-
-def gather_scalars(tensors: list[torch.Tensor]) -> list[float]:
-    """The values of one-element tensors copied to the host in one transfer: stacked as they are when they
-    share a device and dtype, else as float64 (which holds every float32 and int32 value exactly) on the
-    first one's device."""
-    if len(tensors) <= 1:
-        return [float(t) for t in tensors]
-    device, dtype = tensors[0].device, tensors[0].dtype
-    if all(t.device == device and t.dtype == dtype for t in tensors):
-        stacked = torch.stack([t.reshape(()) for t in tensors])
-    else:
-        stacked = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in tensors])
-    return [float(v) for v in stacked.tolist()]
 
 
 def kernel_available(device: torch.device) -> bool:

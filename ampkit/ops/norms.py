@@ -46,7 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from ampkit.ops._backend import resolve_backend
 from ampkit.ops._build import CSRC_DIR, register_family
-from ampkit.ops._dtypes import accumulate_dtype
+from ampkit.ops._dtypes import HALF_DTYPES, KERNEL_DTYPES, accumulate_dtype
 from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops._switches import checked_switch
 from ampkit.ops._transforms import transforms_active
@@ -75,8 +75,6 @@ _FAMILY = register_family(
     sources=[CSRC_DIR / "norms" / "norms_cpu.cpp", CSRC_DIR / "norms" / "batch_norm_stats_cpu.cpp"],
     cuda_sources=[CSRC_DIR / "norms" / "norms_cuda.cu", CSRC_DIR / "norms" / "norms_cuda.cpp"],
 )
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 _TORCH_CPU_LAYER_NORM = (torch.float32, torch.float16)  # the LayerNorm dtypes whose CPU kernel torch's is faster
 
 ShapeLike = int | Sequence[int] | torch.Size
@@ -165,7 +163,7 @@ def _check_inputs(
     float32 (``F.layer_norm``'s rule)."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
-    if input.dtype not in _FLOAT_DTYPES:
+    if input.dtype not in KERNEL_DTYPES:
         raise NormDtypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     _refuse_sparse(op, "input", input)
     k = len(normalized_shape)
@@ -186,9 +184,9 @@ def _check_inputs(
             )
         if param.device != input.device:
             raise NormShapeError(f"{op}: {name} is on {param.device} but input is on {input.device}")
-        allowed = (input.dtype, torch.float32) if input.dtype in _HALF_DTYPES else (input.dtype,)
+        allowed = (input.dtype, torch.float32) if input.dtype in HALF_DTYPES else (input.dtype,)
         if any_param_dtype:
-            allowed = _FLOAT_DTYPES
+            allowed = KERNEL_DTYPES
         if param.dtype not in allowed:
             raise NormDtypeError(
                 f"{op}: {name} dtype {param.dtype} does not fit input dtype {input.dtype}; "
@@ -216,9 +214,9 @@ def _params_for_kernels(
     acc = accumulate_dtype(input.dtype)
     if any(p is not None and p.dtype not in (input.dtype, acc) for p in params):
         params = tuple(p if p is None else p.to(acc) for p in params)
-    if output_dtype in (None, input.dtype) or (output_dtype == torch.float32 and input.dtype in _HALF_DTYPES):
+    if output_dtype in (None, input.dtype) or (output_dtype == torch.float32 and input.dtype in HALF_DTYPES):
         return params, output_dtype, None
-    return params, (torch.float32 if input.dtype in _HALF_DTYPES else None), output_dtype
+    return params, (torch.float32 if input.dtype in HALF_DTYPES else None), output_dtype
 
 
 def _one_dtype(input: object, params: tuple[object, ...]) -> bool:
@@ -230,7 +228,7 @@ def _one_dtype(input: object, params: tuple[object, ...]) -> bool:
     if not isinstance(input, torch.Tensor):
         return False
     dtype = input.dtype
-    if dtype not in _FLOAT_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return False
     for p in params:  # a loop, not all() over a generator: this runs on every call
         if p is not None and (not isinstance(p, torch.Tensor) or p.dtype != dtype):
@@ -283,7 +281,7 @@ def _in_float32_under_autocast(
     three extra casts a call (each with its backward), which on a GPU cost more than the norm's own kernel, and
     normalised an input already rounded. ``memory_efficient`` (it saves the output: half the memory in half) and
     the mixed-dtype norms (output in the weight's dtype) keep Apex's casts."""
-    if memory_efficient or mixed or input.dtype not in (torch.float32, *_HALF_DTYPES):
+    if memory_efficient or mixed or input.dtype not in (torch.float32, *HALF_DTYPES):
         return False
     return all(p is None or p.dtype == torch.float32 for p in params)
 
@@ -804,7 +802,7 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 def _check_batch_norm_input(op: str, input: torch.Tensor) -> None:
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
-    if input.dtype not in _FLOAT_DTYPES:
+    if input.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     if input.dim() < 2 or input.numel() == 0:
         raise ValueError(f"{op}: input must be (N, C, ...) with at least one element, got shape {list(input.shape)}")

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ampkit.ops import multi_tensor
 from ampkit.ops._errors import ArgumentTypeError
+from ampkit.ops.host_values import host_numbers
 from ampkit.ops.optimizers._base import FusedOptimizer
 from ampkit.wording import beyond_float, integer_digits, shown
 
@@ -76,7 +77,7 @@ def fused_unscale_clip_step_(
         return False, torch.zeros((), dtype=torch.float32)
     found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
     total = multi_tensor.unscale_l2norm(grads, inv_scale, found).total
-    found_value, total_value = torch.stack([found.reshape(()), total.reshape(()).float()]).tolist()  # one read
+    found_value, total_value = host_numbers([found, total])  # one read
     if found_value:
         return True, torch.tensor(math.nan, dtype=torch.float32)
     norm = np.float32(total_value)

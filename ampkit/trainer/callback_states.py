@@ -18,9 +18,10 @@ def states_to_load(callbacks: Sequence[Callback], saved: Mapping[str, Any]) -> l
     found = [(cb, cb.state_key) for cb in callbacks if cb.state_key in saved]
     claimed = {key for _, key in found}
     lacking = [cb for cb in callbacks if cb.state_key not in saved and cb.state_key_may_change]
-    for name in dict.fromkeys(type(cb).__name__ for cb in lacking):
-        candidates = [cb for cb in lacking if type(cb).__name__ == name]
-        keys = [key for key in saved if key not in claimed and (key == name or key.startswith(f"{name}["))]
+    for name in dict.fromkeys(_keyed_by(cb) for cb in lacking):
+        candidates = [cb for cb in lacking if _keyed_by(cb) == name]
+        own = {type(cb).__name__ for cb in candidates}  # an older ampkit keyed a subclass by its own name alone
+        keys = [key for key in saved if key not in claimed and (key in {name, *own} or key.startswith(f"{name}["))]
         for key in keys:
             fits = (
                 candidates
@@ -31,6 +32,12 @@ def states_to_load(callbacks: Sequence[Callback], saved: Mapping[str, Any]) -> l
                 found.append((fits[0], key))
                 candidates.remove(fits[0])
     return found
+
+
+def _keyed_by(callback: Callback) -> str:
+    """The class name ``callback``'s state is keyed by: ``ModelCheckpoint`` for ``ModelCheckpoint[val/loss]``, also
+    for a subclass of it, which is keyed (and saved) as the class it extends."""
+    return callback.state_key.partition("[")[0]
 
 
 def _watched(callback: Callback, state: Any) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ampkit.ops.host_values import host_numbers
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedEnv, all_reduce_sum
 from ampkit.trainer.user_code import first_names
@@ -25,7 +26,7 @@ def nonfinite_entries(state: dict[str, Any], env: DistributedEnv | None = None) 
     if not names:
         return []
     local = [state[k].to_local() if isinstance(state[k], DTensor) else state[k] for k in names]
-    bad = torch.stack([torch.isfinite(t).all().logical_not() for t in local]).tolist()  # one sync for all
+    bad = host_numbers(torch.isfinite(t).all().logical_not() for t in local)  # one sync for all, wherever they are
     if env is not None:
         bad = all_reduce_sum([float(b) for b in bad], env)
     return [name for name, b in zip(names, bad, strict=True) if b]

@@ -156,11 +156,8 @@ def _users_thing_at(usual: Path) -> str | None:
     if not usual.exists() and not usual.is_symlink():
         return None
     if usual.is_dir() and not usual.is_symlink():
-        for part in filter(_is_checkpoint_part, usual.iterdir()):
-            part.unlink(missing_ok=True)
-        kept = sorted(p.name for p in usual.iterdir())
+        _, kept = _delete_own_files(usual, passed_over=FileNotFoundError)  # failing to delete one of them: its error
         if not kept:
-            usual.rmdir()
             return None
         return f"a folder holding {', '.join(kept)}, which ampkit did not write"
     return "a link" if usual.is_symlink() else "a file"
@@ -535,17 +532,8 @@ def discard_checkpoint_dir(directory: Path, home: Path) -> bool:
     a word. Returns whether anything was removed."""
     if directory.is_symlink():  # its files are the link target's, outside the checkpoints folder: never deleted
         return False
-    removed = False
-    for part in directory.iterdir():
-        if _is_checkpoint_part(part):
-            with suppress(OSError):
-                part.unlink()
-                removed = True
-    kept = sorted(p.name for p in directory.iterdir())
+    removed, kept = _delete_own_files(directory, passed_over=OSError)
     if not kept:
-        with suppress(OSError):
-            directory.rmdir()
-            removed = True
         return removed
     if removed and not home.exists() and not home.is_symlink():  # a folder that held no part of one is not ampkit's
         with suppress(OSError):
@@ -553,10 +541,18 @@ def discard_checkpoint_dir(directory: Path, home: Path) -> bool:
     if not removed and directory.exists():  # only the user's files, as a tidy before found and named them
         return False
     where = home if not directory.exists() else directory
-    rank_zero_warn(
-        f"'{where}' held {', '.join(kept)} beside the checkpoint, which ampkit did not write: the checkpoint's own "
-        "files were deleted and yours kept there; move them elsewhere if you want the folder gone"
-    )
+    stuck = [name for name in kept if _is_checkpoint_part(where / name)]
+    yours = [name for name in kept if name not in stuck]
+    if yours:
+        rank_zero_warn(
+            f"'{where}' held {', '.join(yours)} beside the checkpoint, which ampkit did not write: the checkpoint's "
+            "own files were deleted and yours kept there; move them elsewhere if you want the folder gone"
+        )
+    if stuck:
+        rank_zero_warn(
+            f"'{where}': the checkpoint's own {', '.join(stuck)} could not be deleted (check the folder's "
+            "permissions); they are left there"
+        )
     return removed
 
 
@@ -568,6 +564,23 @@ _CHECKPOINT_PART = re.compile(
     rf"(?:\.metadata(?:\.tmp)?|__\d+\.metadata(?:\.tmp)?|__\d+_\d+\.distcp|{re.escape(TRAINER_FILE)})"
     rf"|\.(?:\.metadata|__\d+_\d+\.distcp|{re.escape(TRAINER_FILE)})\.[a-z0-9_]{{8}}\.tmp"
 )
+
+
+def _delete_own_files(directory: Path, passed_over: type[OSError]) -> tuple[bool, list[str]]:
+    """Delete the checkpoint's own files in ``directory``, then the directory once nothing else is in it; a failure of
+    the ``passed_over`` kind leaves that file (or the directory) as it is, any other is raised. Returns whether anything
+    was deleted, and the sorted names of what was left beside them (empty when the directory was emptied)."""
+    removed = False
+    for part in filter(_is_checkpoint_part, directory.iterdir()):
+        with suppress(passed_over):
+            part.unlink()
+            removed = True
+    kept = sorted(p.name for p in directory.iterdir())
+    if not kept:
+        with suppress(passed_over):
+            directory.rmdir()
+            removed = True
+    return removed, kept
 
 
 def _is_checkpoint_part(path: Path) -> bool:

@@ -240,3 +240,56 @@ def test_post_backward_models_are_masters_at_a_static_unit_scale_keeps_the_stash
     stashed = [torch.tensor([0.5, 0.5, 0.5]), torch.tensor([4.0, 5.0, 6.0])]
     post_backward_models_are_masters(LossScaler(1.0), params, stashed)
     assert params[0].grad.tolist() == [1.5, 2.5, 3.5] and params[1].grad.tolist() == [4.0, 5.0, 6.0]
+
+
+def _copied_update_scale(self) -> bool:
+    """Apex's ``LossScaler.update_scale``, as scripts copied it into their patches (min/max scale left out)."""
+    from ampkit.compat.amp.scaler import LossScaler
+
+    if LossScaler.has_fused_kernel and self.dynamic and not self._has_overflow:
+        self._has_overflow = self._overflow_buf.item()
+    if self._has_overflow and self.dynamic:
+        self._loss_scale, self._unskipped = self._loss_scale / 2.0, 0
+        return True
+    self._unskipped += 1
+    return False
+
+
+@pytest.mark.parametrize("patched_update", [False, True], ids=["own_update_scale", "apex_update_scale_copied"])
+def test_has_fused_kernel_false_takes_apexs_python_path(monkeypatch, patched_update):
+    """``LossScaler.has_fused_kernel = False`` (set by a script, or by Apex itself where amp_C was missing) sent Apex's
+    unscale down its Python path: each unscale read its verdict to the host into ``_has_overflow`` at once, and
+    ``_overflow_buf`` was never written nor read. ampkit ignored the flag: ``_has_overflow`` stayed False until
+    update_scale, and an update_scale copied from Apex, which then reads only ``_has_overflow``, stepped on inf."""
+    from ampkit.compat.amp.scaler import LossScaler
+
+    monkeypatch.setattr(LossScaler, "has_fused_kernel", False)
+    if patched_update:
+        monkeypatch.setattr(LossScaler, "update_scale", _copied_update_scale)
+    # by hand: the verdict is there right after unscale, a static scaler checks nothing, the buffer stays 0
+    dynamic, static = LossScaler("dynamic"), LossScaler(128.0)
+    grads = [torch.tensor([1.0, math.inf], dtype=torch.float16), torch.ones(3, dtype=torch.float16)]
+    for scaler, want in ((dynamic, True), (static, False)):
+        scaler.clear_overflow_state()
+        masters = [torch.empty(g.shape) for g in grads]
+        scaler.unscale(grads, masters, None)
+        assert bool(scaler._has_overflow) is want and scaler._overflow_buf.item() == 0
+        assert scaler.update_scale() is want
+    assert (dynamic.loss_scale(), static.loss_scale()) == (2.0**15, 128.0)
+    # through amp.scale_loss at O2: the inf backward is skipped, the others step, and the buffer is never raised
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    scaler = _amp_state.loss_scalers[0]
+    moved = []
+    for i, poison in enumerate((False, True, False)):
+        before = [p.detach().clone() for p in amp.master_params(optimizer)]
+        optimizer.zero_grad()
+        loss = model(_batch(i).half()).float().mean()
+        with amp.scale_loss(loss * math.inf if poison else loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        moved.append(not all(torch.equal(a, b) for a, b in zip(amp.master_params(optimizer), before, strict=True)))
+        assert scaler._overflow_buf.item() == 0
+    assert moved == [True, False, True] and scaler.loss_scale() == 2.0**15
+    assert all(torch.isfinite(p).all() for p in amp.master_params(optimizer))

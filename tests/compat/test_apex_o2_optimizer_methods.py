@@ -8,6 +8,7 @@ training goes on exactly as if the gradients had never been there.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -165,3 +166,41 @@ def test_gradients_never_zeroed_step_on_each_iterations_backwards_only(delayed):
         [master] = amp.master_params(optimizer)
         assert torch.equal(master.grad, torch.full((1, 4), 4.0 * it + 3))  # this iteration's two inputs
         optimizer.step()
+
+
+def test_a_copy_of_apexs_master_params_to_model_params_runs_and_matches_amps_own_copy():
+    """A script (a fork of Apex's ``_process_optimizer``) that sets Apex's ``_master_params_to_model_params`` on the
+    optimizer reads ``_amp_stash.multi_tensor_scale`` and ``dummy_overflow_buf``, which Apex's stash held: they were
+    missing (AttributeError at the first step). Its copy and amp's own (``copy_``) leave the same fp16 values, a
+    master past fp16's range or nan included; Apex's kernel also raised the dummy buffer there, which nothing read."""
+    from ampkit.compat.multi_tensor_apply import multi_tensor_applier
+
+    def apex_master_params_to_model_params(self):  # Apex's, as the forks copied it
+        stash = self._amp_stash
+        if len(stash.all_fp16_params) > 0:
+            multi_tensor_applier(
+                stash.multi_tensor_scale,
+                stash.dummy_overflow_buf,
+                [stash.all_fp32_from_fp16_params, stash.all_fp16_params],
+                1.0,
+            )
+
+    model, optimizer = _setup(combine_grad=False)
+    _backward(model, optimizer, 0)  # the lazy init done: the masters do not take over the zeroed model below
+    stash = optimizer._amp_stash
+    with torch.no_grad():
+        stash.all_fp32_from_fp16_params[0][0, :3] = torch.tensor([70000.0, float("nan"), 1 / 3])
+    optimizer._master_params_to_model_params()  # amp's own
+    own = [p.detach().clone() for p in stash.all_fp16_params]
+    assert own[0][0, 0].item() == float("inf") and own[0][0, 1].isnan()
+    assert stash.dummy_overflow_buf.dtype == torch.int32 and stash.dummy_overflow_buf.item() == 0
+    with torch.no_grad():
+        for p in stash.all_fp16_params:
+            p.zero_()
+
+    optimizer._master_params_to_model_params = types.MethodType(apex_master_params_to_model_params, optimizer)
+    optimizer._master_params_to_model_params()
+    for got, want in zip(stash.all_fp16_params, own, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert stash.dummy_overflow_buf.item() == 1  # the nan master, as Apex's kernel flagged it
+    assert stash.multi_tensor_l2norm is not None

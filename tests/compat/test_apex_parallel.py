@@ -1164,6 +1164,44 @@ def _check_ddp_subclass_reduces_through_its_own_allreduce_bucket(rank, world_siz
             torch.testing.assert_close(got, want, msg="the subclass's allreduce_bucket kept each rank's own gradient")
 
 
+def _check_ddp_allreduce_bucket_set_on_the_instance_after_construction(rank, world_size):
+    # Apex looked ``self.allreduce_bucket`` up at each bucket, so a script that sets its own on the instance after
+    # wrapping (``ddp.allreduce_bucket = fn``, to reduce over its own group) had it called from then on; ampkit's
+    # class decided at construction and averaged over the world. Here fn keeps each rank's gradient (a one-rank group).
+    own_group = [dist.new_group([r]) for r in range(world_size)][rank]
+    calls = []
+
+    def keep_local(bucket, bucket_idx, force_default_stream):  # unbound: Apex called the instance's attribute
+        calls.append(force_default_stream)
+        tensor = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(tensor, group=own_group)
+        return tensor
+
+    def keep_local_older(bucket):  # Apex's older signature
+        calls.append(None)
+        return keep_local(bucket, 0, None)
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(4, 2)
+    local = copy.deepcopy(base)
+    local(_rank_data(rank)[0]).pow(2).sum().backward()
+    averaged = copy.deepcopy(base)
+    for options in ({}, {"gradient_predivide_factor": 2.0}):  # without a comm hook of its own, then with Apex's
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, **options)
+        for step in range(4):  # a first backward reducing at its end, then torch's reducer
+            if step == 2:
+                ddp.allreduce_bucket = keep_local if not options else keep_local_older
+            model.zero_grad()
+            ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+            if step == 1:
+                averaged.load_state_dict({"weight": model.weight.grad, "bias": model.bias.grad})
+        for got, want in zip(model.parameters(), local.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad, msg="the allreduce_bucket set later was not called")
+    assert calls == [False, False] + [None, None] * 2  # the reducer's buckets; the older one calls the other
+    assert not torch.equal(averaged.weight, local.weight.grad)  # before the assignment the ranks were averaged
+
+
 _TWO_RANK_CHECKS = {
     check.__name__.removeprefix("_check_"): check
     for check in (
@@ -1200,6 +1238,7 @@ _TWO_RANK_CHECKS = {
         _check_flat_dist_call_broadcasts_and_averages_each_type,
         _check_reducer_of_a_grads_list_takes_the_tensors_in_it_as_apex,
         _check_ddp_subclass_reduces_through_its_own_allreduce_bucket,
+        _check_ddp_allreduce_bucket_set_on_the_instance_after_construction,
     )
 }
 

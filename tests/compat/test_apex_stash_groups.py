@@ -134,3 +134,69 @@ def test_a_parameter_swapped_into_the_optimizer_before_each_o1_backward_gets_uns
         torch.testing.assert_close(sampled.grad, expected, rtol=1e-2, atol=1e-4)  # not 1024 times it
         optimizer.step()
         optimizer.zero_grad()
+
+
+def _frozen_first_layer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """O2 over a model whose first layer is frozen (a fine-tuned backbone) though the optimizer holds every parameter,
+    the BatchNorm's weight frozen too (a float32 one)."""
+    model = _model()
+    model[0].requires_grad_(False)
+    model[1].weight.requires_grad_(False)
+    model, optimizer = amp.initialize(model, _two_groups(model), opt_level="O2", verbosity=0)
+    return model, optimizer
+
+
+def test_o2_gives_masters_only_to_parameters_that_require_a_gradient_as_apexs_lazy_init():
+    """Apex's ``lazy_init_with_master_weights`` made an fp32 master only for a parameter with ``requires_grad``; a
+    frozen one stayed in its group as it was, in none of the stash's lists, so ``amp.master_params`` yielded it
+    itself. ampkit gave every fp16 parameter a master (a frozen backbone's fp32 copy, memory for nothing)."""
+    model, optimizer = _frozen_first_layer()
+    frozen = [model[0].weight, model[0].bias]
+    masters = list(amp.master_params(optimizer))
+    for param in frozen:
+        assert param.dtype == torch.float16 and any(m is param for m in masters)
+    assert [m.dtype for m in masters if m.requires_grad] == [torch.float32] * 3
+    stash = optimizer._amp_stash
+    assert [[tuple(p.shape) for p in g] for g in stash.fp16_groups] == [[(2, 8)], [(2,)]]
+    assert [len(g) for g in stash.fp32_from_fp16_groups] == [1, 1]
+    assert stash.fp32_from_fp32_groups == [[], [model[1].bias]]  # the frozen BatchNorm weight is in no list
+    before = [p.detach().clone() for p in frozen]
+    trained_before = model[2].weight.detach().clone()
+    for seed in range(2):
+        _train_step(model, optimizer, seed)
+    assert all(torch.equal(p, b) for p, b in zip(frozen, before, strict=True))
+    assert not torch.equal(model[2].weight, trained_before)
+
+    # the checkpoint round trip: no master saved for a frozen parameter, the others restored exactly
+    state = optimizer.state_dict()
+    saved = state["ampkit_master_weights"]["master_params"]  # the fp16 parameters in the groups' order
+    assert [m is None for m in saved] == [True, False, True, False]
+    amp._amp_state.reset()
+    model2, optimizer2 = _frozen_first_layer()
+    model2.load_state_dict(model.state_dict())
+    optimizer2.load_state_dict(state)
+    for got, want in zip(amp.master_params(optimizer2), amp.master_params(optimizer), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+    # a checkpoint of ampkit before this (a master for each fp16 parameter) still loads: the frozen ones keep theirs
+    frozen_left = iter(frozen)
+    older = [next(frozen_left).detach().float() + 1 if m is None else m.clone() for m in saved]
+    old = dict(state, ampkit_master_weights={"master_params": older})
+    optimizer2.load_state_dict(old)
+    assert torch.equal(model2[0].weight, model[0].weight)
+
+
+def test_a_frozen_o2_parameter_unfrozen_later_gets_its_master_then():
+    """Apex left a parameter frozen at its lazy init out of every list for good: unfrozen, it stepped in fp16 on
+    gradients still at the loss scale. Here it gets an fp32 master at the next backward and trains on unscaled ones."""
+    model, optimizer = _frozen_first_layer()
+    _train_step(model, optimizer, 0)
+    model[0].requires_grad_(True)
+    before = model[0].weight.detach().clone()
+    _train_step(model, optimizer, 1)
+    masters = list(amp.master_params(optimizer))
+    assert not any(m is model[0].weight for m in masters) and masters[0].dtype == torch.float32
+    assert optimizer._amp_stash.fp16_groups[0][0] is model[0].weight
+    step = (model[0].weight.float() - before.float()).abs().max().item()
+    assert 0 < step < 1  # moved, by an lr-sized step (at the loss scale it was 2**16 times that)
+    assert len(optimizer.state_dict()["ampkit_master_weights"]["master_params"]) == 4

@@ -637,3 +637,44 @@ def test_fp16_optimizer_whose_scalers_unscale_raises_keeps_the_gradients_of_the_
     scaler.fail = False
     backward(1)
     assert all(torch.isfinite(p.grad).all() for g in optimizer.param_groups for p in g["params"])
+
+
+@pytest.mark.parametrize("where", ["instance", "class"])
+def test_a_scalers_unscale_patched_after_the_first_backward_is_called_and_unpatched_is_not(shim, monkeypatch, where):
+    """A script that patches the scaler once training runs (``amp._amp_state.loss_scalers[0].unscale = mine``, or
+    ``apex.amp.scaler.LossScaler.unscale``, to agree the overflow across ranks from the step its group exists) had
+    Apex call it at the next backward: Apex looked the method up each time. ampkit decided at the first unscale, so
+    the patch went unheard and the other rank's overflow was not skipped here. Undone, amp's own unscales again."""
+    import apex.amp as amp
+    from apex.amp.scaler import LossScaler
+
+    own_unscale, calls = LossScaler.unscale, []
+
+    def agreeing_unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False):
+        calls.append(len(model_grads))
+        own_unscale(self, model_grads, master_grads, unused_scale, models_are_masters)
+        self._overflow_buf.fill_(1)  # all_reduce(MAX) over the ranks: another one overflowed
+
+    model = _mlp()
+    model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+
+    def step(i: int) -> None:
+        optimizer.zero_grad()
+        with amp.scale_loss(F.mse_loss(model(_batch(i)).float(), torch.zeros(8, 2)), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+
+    step(0)  # amp's own unscale: no overflow
+    if where == "instance":
+        scaler.unscale = types.MethodType(agreeing_unscale, scaler)
+    else:
+        monkeypatch.setattr(LossScaler, "unscale", agreeing_unscale)
+    step(1)
+    assert calls == [4] and scaler.loss_scale() == 2.0**15  # the script's unscale ran, and its overflow backed off
+    if where == "instance":
+        del scaler.unscale
+    else:
+        monkeypatch.setattr(LossScaler, "unscale", own_unscale)
+    step(2)
+    assert calls == [4] and scaler.loss_scale() == 2.0**15  # back to amp's own: no call, no overflow

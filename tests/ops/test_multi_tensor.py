@@ -109,31 +109,6 @@ def test_flag_is_never_cleared_and_may_be_int():
     assert found.dtype == torch.int32 and found.item() == 1
 
 
-# ---------------------------------------------------------------- read_scalars
-
-
-def test_read_scalars_reads_exact_values_and_keeps_none():
-    grad_scale = torch.tensor([2.0**-20 * 3], dtype=torch.float32)
-    found_inf = torch.zeros(1)
-    assert mt.read_scalars(found_inf, grad_scale) == [0.0, float(grad_scale)]
-    assert mt.read_scalars(None, grad_scale) == [None, float(grad_scale)]
-    assert mt.read_scalars(torch.tensor(float("nan")), None)[0] != 0  # nan counts as found (a truthy skip)
-    assert mt.read_scalars(None, None) == [None, None]
-
-
-def test_read_scalars_reads_int_flags_of_shape_one():
-    assert mt.read_scalars(torch.ones(1, dtype=torch.int32), torch.zeros((), dtype=torch.float16)) == [1.0, 0.0]
-
-
-def test_gather_scalars_reads_each_value_exactly_whatever_the_dtypes():
-    same = [torch.tensor(2.0**-20 * 3), torch.zeros(1), torch.tensor([float("inf")])]
-    assert mt.gather_scalars(same) == [2.0**-20 * 3, 0.0, float("inf")]
-    mixed = [torch.tensor([16777217], dtype=torch.int32), torch.tensor(0.1, dtype=torch.float16), torch.ones(1)]
-    assert mt.gather_scalars(mixed) == [16777217.0, float(torch.tensor(0.1, dtype=torch.float16)), 1.0]
-    assert all(type(v) is float for v in mt.gather_scalars(mixed))
-    assert mt.gather_scalars([]) == [] and mt.gather_scalars([torch.tensor(True)]) == [1.0]
-
-
 # ---------------------------------------------------------------- axpby_
 
 
@@ -617,31 +592,6 @@ def test_cuda_unscale_l2norm_writes_out_when_the_first_tensor_is_empty(cuda_kern
     total, _ = mt.unscale_l2norm(xs, 0.5, found, out=out)
     torch.testing.assert_close(out[1], xs[1] * 0.5)
     torch.testing.assert_close(total, (xs[1] * 0.5).norm(), rtol=1e-6, atol=0)
-
-
-@needs_cuda
-def test_cuda_read_scalars_mixes_devices_and_dtypes_in_one_sync():
-    values = [torch.tensor(3.0, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda"), torch.tensor(0.5)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with pytest.warns(UserWarning, match="synchroniz") as caught:
-            read = mt.read_scalars(None, *values)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert read == [None, 3.0, 1.0, 0.5]
-    assert sum("synchroniz" in str(w.message) for w in caught) == 1
-
-
-def test_read_scalars_of_many_cpu_scalars_match_one_by_one():
-    """Many zero-dim CPU values are read through one stack: the same floats as reading each, None kept in place,
-    mixed dtypes and shapes read one by one."""
-    values = [torch.randn(()) for _ in range(7)] + [torch.tensor(float("inf")), torch.tensor(float("nan"))]
-    read = mt.read_scalars(values[0], None, *values[1:])
-    expected = [float(v) for v in values]
-    assert read[1] is None and read[0] == expected[0] and read[2:-1] == expected[1:-1] and math.isnan(read[-1])
-    mixed = [torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor(3), torch.ones(1), torch.zeros(())]
-    assert mt.read_scalars(*mixed) == [2.5, 3.0, 1.0, 0.0]
 
 
 @pytest.mark.usefixtures("any_mode")

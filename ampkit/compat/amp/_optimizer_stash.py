@@ -16,6 +16,7 @@ import torch
 
 from ampkit.amp import GradientCombiner, LossScaler, MasterWeights, OptLevelProperties
 from ampkit.amp.grad_combine import CombineResult
+from ampkit.compat import amp_c
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp._param_lists import MasterGroups, params_of_dtype
 from ampkit.compat.amp.functions import disable_casts
@@ -51,10 +52,22 @@ class AmpOptimizerStash:
         self.pending_scale: float | None = None  # the loss scale of gradients a delayed unscale left in .grad
         self.lazy_init_called = False  # Apex's flag: set by the first backward (or _amp_lazy_init)
         self._lazy_take_over = True  # what amp's own _amp_lazy_init does, called from a script's replacement of it
-        self.master_weights = MasterWeights(inner_optimizer(optimizer)) if properties.master_weights else None
+        # Apex's O2 rule: masters for the parameters that require a gradient; a frozen one stays in its group as it is
+        # until it is unfrozen (see prepare_backward)
+        self.master_weights = (
+            MasterWeights(inner_optimizer(optimizer), frozen_masters=False) if properties.master_weights else None
+        )
         if self.master_weights is not None and fp32_values:
             self._seed_masters(fp32_values)
         self._masters_checked = self.master_weights is None
+        # Apex's amp_C handles on the stash, for a script's copy of Apex's ``_master_params_to_model_params``
+        # (``multi_tensor_applier(stash.multi_tensor_scale, stash.dummy_overflow_buf, [masters, model], 1.0)``). amp's
+        # own copy is ``copy_``: the same values (round to nearest, inf where a master is past fp16's range); Apex's
+        # kernel also raised the dummy buffer on an inf/nan master, which nothing read.
+        self.multi_tensor_scale = amp_c.multi_tensor_scale
+        self.multi_tensor_l2norm = amp_c.multi_tensor_l2norm
+        first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        self.dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=None if first is None else first.device)
         self._kept_model_grads: list[torch.Tensor] = []  # see _masters_with_model_grads
         self.combiner = self._build_combiner()
         self._patch_methods()
@@ -239,8 +252,11 @@ class AmpOptimizerStash:
         self.lazy_init()
         if not self.combiner.pending:
             self._kept_model_grads = self._masters_with_model_grads() if delayed else []
-            # Unfrozen since the flat buffers were built, or assigned into a group since the combiner was built.
-            if any(p.requires_grad for p in self._frozen_outside) or self._params_swapped_in():
+            # Unfrozen since the flat buffers or the masters were built, or assigned into a group since the combiner
+            # was built. An unfrozen O2 parameter gets its master now (Apex never gave it one: it stepped in fp16 on
+            # gradients left at the loss scale).
+            unfrozen_low = self.master_weights is not None and self.master_weights.adopt_unfrozen()
+            if unfrozen_low or any(p.requires_grad for p in self._frozen_outside) or self._params_swapped_in():
                 self.combiner.remove()
                 self.combiner = self._build_combiner()
             self.combiner.prepare_backward()

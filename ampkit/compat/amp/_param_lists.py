@@ -12,8 +12,8 @@ from ampkit.amp import MasterWeights
 
 class MasterGroups:
     """Apex's O2 lists, one entry per param group: ``fp16`` (the model's low-precision parameters),
-    ``fp32_from_fp16`` (their float32 masters, which the optimizer steps) and ``fp32_from_fp32`` (parameters that
-    were float32 already, batch norm's, their own masters)."""
+    ``fp32_from_fp16`` (their float32 masters, which the optimizer steps) and ``fp32_from_fp32`` (trainable parameters
+    that were float32 already, batch norm's, their own masters)."""
 
     def __init__(self, master_weights: MasterWeights) -> None:
         model_of = {
@@ -28,7 +28,10 @@ class MasterGroups:
             tensors = [t for t in group["params"] if t.is_floating_point()]
             self.fp16.append([model_of[id(t)] for t in tensors if id(t) in model_of])
             self.fp32_from_fp16.append([t for t in tensors if id(t) in model_of])
-            self.fp32_from_fp32.append([t for t in tensors if id(t) not in model_of])
+            # as Apex's lazy init: a frozen parameter (one left without a master, a float32 one) is in none of the lists
+            self.fp32_from_fp32.append(
+                [t for t in tensors if id(t) not in model_of and t.dtype == torch.float32 and t.requires_grad]
+            )
 
 
 def params_of_dtype(optimizer: torch.optim.Optimizer, low: bool) -> list[torch.Tensor]:

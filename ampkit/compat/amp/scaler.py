@@ -51,7 +51,9 @@ class ApexLossScaler(EngineLossScaler):
     ``apex.amp.scaler.LossScaler`` names, or on one scaler) decides there, as under Apex."""
 
     # Apex's class flag: with amp_C, unscale leaves the overflow in ``_overflow_buf`` for update_scale to read (so
-    # do amp's unscales here); replacements of update_scale copied from Apex test it
+    # do amp's unscales here); replacements of update_scale copied from Apex test it. A script (or a platform without
+    # amp_C) that sets it False gets Apex's Python path: each unscale reads its verdict to the host into
+    # ``_has_overflow`` at once, and ``_overflow_buf`` is neither written, zeroed nor read.
     has_fused_kernel = True
     # amp's own _overflow_buf, which follows the gradients' device (not a buffer a script put there)
     _own_overflow_buf: torch.Tensor | None = None
@@ -162,7 +164,12 @@ class ApexLossScaler(EngineLossScaler):
     def flag_overflow(self, found_inf: torch.Tensor) -> None:
         """Raise ``_overflow_buf`` where ``found_inf`` (amp's unscale's flag) is non-zero, on the device, where Apex's
         kernels left it: nothing is read to the host, so a static scale, whose update_scale never reads it, costs no
-        sync (a dynamic one reads it there, once a backward, as Apex did)."""
+        sync (a dynamic one reads it there, once a backward, as Apex did). Without ``has_fused_kernel``, Apex's
+        Python path: a dynamic scaler's verdict is read now into ``_has_overflow`` (a static one checks nothing)."""
+        if not self.has_fused_kernel:
+            if self.dynamic and not self.last_found_inf:
+                self.last_found_inf = bool(found_inf.reshape(-1)[:1].item() != 0)
+            return
         buf = self._overflow_buf_on(found_inf.device)
         buf.masked_fill_((found_inf.reshape(-1)[:1] != 0).to(buf.device), 1)
 
@@ -175,9 +182,11 @@ class ApexLossScaler(EngineLossScaler):
         return buf
 
     def clear_overflow_state(self) -> None:
-        """Forget the last overflow and zero the overflow buffer (Apex calls it before each unscale)."""
+        """Forget the last overflow and zero the overflow buffer (Apex calls it before each unscale; without
+        ``has_fused_kernel`` the buffer is left as it is, as Apex's was)."""
         self.last_found_inf = False
-        self._overflow_buf.zero_()
+        if self.has_fused_kernel:
+            self._overflow_buf.zero_()
 
     def unscale(
         self,
@@ -189,16 +198,18 @@ class ApexLossScaler(EngineLossScaler):
     ) -> None:
         """Apex's ``LossScaler.unscale``: ``master_grads = model_grads / scale``, flagging inf/nan in
         ``_overflow_buf`` for :meth:`update_scale` (nothing once an overflow is known, or at a static scale of 1
-        with no masters). ``scale_override`` divides instead of the loss scale, as Apex's FusedSGD post-backward
-        asked (the scale the gradients carry over the one they are to be left at)."""
+        with no masters; into ``_has_overflow`` without ``has_fused_kernel``). ``scale_override`` divides instead of
+        the loss scale, as Apex's FusedSGD post-backward asked (the scale the gradients carry over the one they are
+        to be left at)."""
         if self._has_overflow:
             return
         scale = self._loss_scale if scale_override is None else positive_option(scale_override, "scale_override")
         if scale == 1.0 and models_are_masters and not self.dynamic:
             return
         grads = list(model_grads)
-        flag = self._overflow_buf_on(grads[0].device) if grads else self._overflow_buf
+        flag = self._flag_for(grads)
         multi_tensor.scale_(grads, 1.0 / scale, flag, out=list(master_grads))
+        self._python_path_verdict(flag)
 
     def unscale_with_stashed(
         self,
@@ -215,15 +226,29 @@ class ApexLossScaler(EngineLossScaler):
             return
         grads_have, stashed_have, out = stashed_scales(scale_override, self._loss_scale)
         lists = [list(model_grads), list(stashed_master_grads), list(master_grads)]
-        flag = self._overflow_buf_on(lists[0][0].device) if lists[0] else self._overflow_buf
+        flag = self._flag_for(lists[0])
         amp_c.multi_tensor_axpby(_CHUNK_SIZE, flag, lists, out / grads_have, out / stashed_have, 0)
+        self._python_path_verdict(flag)
+
+    def _flag_for(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Where an unscale of ``grads`` flags inf/nan: ``_overflow_buf`` on their device, or a flag of its own on
+        Apex's Python path (``has_fused_kernel`` False), which never touched the buffer."""
+        if not self.has_fused_kernel:
+            return torch.zeros(1, dtype=torch.int32, device=grads[0].device if grads else None)
+        return self._overflow_buf_on(grads[0].device) if grads else self._overflow_buf
+
+    def _python_path_verdict(self, flag: torch.Tensor) -> None:
+        """On Apex's Python path, the unscale's own flag read into ``_has_overflow`` (by a dynamic scaler)."""
+        if not self.has_fused_kernel:
+            self.flag_overflow(flag)
 
     def update_scale(self) -> bool:
         """Apex's ``LossScaler.update_scale``: a dynamic scaler reads ``_overflow_buf`` (unless an overflow is
         already known), backs off or counts a clean step, and returns whether the step must be skipped; legacy
-        scripts that unscale by hand (NVIDIA's BERT pretraining) call it instead of ``scale_loss``."""
+        scripts that unscale by hand (NVIDIA's BERT pretraining) call it instead of ``scale_loss``. Without
+        ``has_fused_kernel`` only ``_has_overflow`` decides, as on Apex's Python path."""
         found_inf = self.last_found_inf
-        if self.dynamic and not found_inf:
+        if self.dynamic and not found_inf and self.has_fused_kernel:
             found_inf = bool(self._overflow_buf.item())
         self.update(found_inf)
         return found_inf and self.dynamic
@@ -235,22 +260,27 @@ LossScaler = ApexLossScaler
 
 # The class's own unscale methods, kept apart from the class so that a script's patch of the class itself is told too
 _OWN_UNSCALES = {"unscale": ApexLossScaler.unscale, "unscale_with_stashed": ApexLossScaler.unscale_with_stashed}
-# Each scaler's verdict, decided at its first unscale: the per-step cost is one lookup (getattr of both methods was
-# several). A scaler that cannot be a weak key is looked at every time.
-_SCRIPTS_UNSCALES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+# Each scaler's verdict, with the methods it was read from: the per-step cost is four lookups and identity compares
+# (getattr of both methods and the test of each was several times that). A scaler that cannot be a weak key is looked
+# at every time.
+_SCRIPTS_UNSCALES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], frozenset[str]]] = weakref.WeakKeyDictionary()
 
 
 def scripts_unscales(scaler: Any) -> frozenset[str]:
     """Which of ``scaler``'s ``unscale`` and ``unscale_with_stashed`` are a script's (a subclass's override, a patch of
-    the class or of the one scaler), decided once per scaler: amp's post-backward and ``FP16_Optimizer`` then unscale
-    through them, as Apex did (ColossalAI's scaler agrees its overflow across model-parallel ranks there)."""
+    the class or of the one scaler, made before or after the first unscale): amp's post-backward and ``FP16_Optimizer``
+    then unscale through them, as Apex did (ColossalAI's scaler agrees its overflow across model-parallel ranks there).
+    The verdict is kept while the class's and the scaler's own entries of both names stay the same objects."""
+    cls, own = type(scaler), getattr(scaler, "__dict__", {})
+    methods = tuple(getattr(cls, name, None) for name in _OWN_UNSCALES) + tuple(own.get(name) for name in _OWN_UNSCALES)
     try:
-        return _SCRIPTS_UNSCALES[scaler]
-    except KeyError:
-        pass
+        known = _SCRIPTS_UNSCALES.get(scaler)
     except TypeError:  # unhashable, or no weak reference to it
         return _scripts_unscales(scaler)
-    names = _SCRIPTS_UNSCALES[scaler] = _scripts_unscales(scaler)
+    if known is not None and all(a is b for a, b in zip(known[0], methods, strict=True)):
+        return known[1]
+    names = _scripts_unscales(scaler)
+    _SCRIPTS_UNSCALES[scaler] = (methods, names)
     return names
 
 

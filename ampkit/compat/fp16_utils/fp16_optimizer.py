@@ -33,7 +33,7 @@ from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp.scaler import ApexLossScaler, scripts_unscales
 from ampkit.compat.fp16_utils.fp16util import clip_grad_norm
 from ampkit.ops._switches import checked_switch
-from ampkit.ops.multi_tensor import read_scalars
+from ampkit.ops.host_values import host_numbers
 
 # Apex amp LossScaler's keyword arguments, the only keys dynamic_loss_args may hold.
 _LOSS_SCALER_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
@@ -237,7 +237,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         # the overflow of the last iteration counts again only if its gradients were kept (Apex re-checked them):
         # every kept gradient's check read in one transfer, not one GPU sync each
         if self._grads_overflowed:
-            self._grads_overflowed = not all(read_scalars(*(torch.isfinite(g).all() for g in kept)))
+            self._grads_overflowed = not all(host_numbers(torch.isfinite(g).all() for g in kept))
         self._stepped = False
 
     @staticmethod

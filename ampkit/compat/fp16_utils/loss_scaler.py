@@ -17,6 +17,19 @@ import torch
 from ampkit.amp.scaler import float32_scale, interval_option, overflow_verdict, positive_option
 
 
+def next_dynamic_scale(
+    scale: float, overflow: bool, iteration: int, last_overflow_iter: int, scale_factor: float, scale_window: int
+) -> tuple[float, int]:
+    """Apex's first dynamic loss scaling at ``iteration``, as ``(scale, last_overflow_iter)`` after it: divided by
+    ``scale_factor`` on an overflow (never below 1), multiplied by it once every ``scale_window`` clean iterations
+    since the last overflow. Its ``DynamicLossScaler`` and its first ``FP16_Optimizer`` both follow it."""
+    if overflow:
+        return max(scale / scale_factor, 1), iteration
+    if (iteration - last_overflow_iter) % scale_window == 0:
+        return scale * scale_factor, last_overflow_iter
+    return scale, last_overflow_iter
+
+
 def _has_inf_or_nan(x: torch.Tensor) -> bool:
     """Whether ``x`` holds an inf or a NaN (one sum, read once)."""
     return not math.isfinite(float(x.float().sum()))
@@ -84,9 +97,8 @@ class DynamicLossScaler(LossScaler):
         """One iteration's update: divide on overflow (floor 1); multiply once every ``scale_window`` clean
         iterations since the last overflow (counted as Apex counted them). ``overflow`` is a bool or a one-element
         tensor: None (a verdict never computed) counted as clean and "no" as an overflow."""
-        if overflow_verdict(overflow, "overflow"):
-            self.cur_scale = max(self.cur_scale / self.scale_factor, 1)
-            self.last_overflow_iter = self.cur_iter
-        elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-            self.cur_scale *= self.scale_factor
+        self.cur_scale, self.last_overflow_iter = next_dynamic_scale(
+            self.cur_scale, overflow_verdict(overflow, "overflow"), self.cur_iter, self.last_overflow_iter,
+            self.scale_factor, self.scale_window,
+        )  # fmt: skip
         self.cur_iter += 1

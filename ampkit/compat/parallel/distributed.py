@@ -44,7 +44,8 @@ Apex argument → effect here:
 - A subclass's ``allreduce_bucket`` (one that all-reduces over its own group, as hierarchical trainers did) is
   what reduces each bucket, called as Apex called it: ``(grads, bucket_idx, force_default_stream)`` (``True`` at the
   end of backward), or ``(grads)`` for Apex's older signature; the flat tensor it returns is what the gradients
-  become. Decided at construction.
+  become. A function set on the instance (``ddp.allreduce_bucket = fn``), also after construction, reduces each
+  bucket from then on: it is looked up at each bucket, as Apex looked it up.
 - ``allreduce_trigger_params``, ``num_allreduce_streams``, ``allreduce_communicators``, ``prof`` → no effect
   (torch's reducer schedules buckets and streams itself); a non-default value warns once.
 
@@ -157,12 +158,16 @@ def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string an
     return future.then(lambda fut: _after_allreduce(options, fut.value()[0], world_size).to(buffer.dtype))
 
 
-def _scripts_allreduce_hook(ddp_ref, bucket):  # unannotated: DDP rejects string annotations of comm hooks
-    """torch DDP comm hook: one ``dist.GradBucket`` reduced by the subclass's ``allreduce_bucket``, as Apex's
-    overlapping reduce called it; the flat tensor it returns becomes the bucket (a future already done)."""
+def _bucket_hook(ddp_ref, bucket):  # unannotated: DDP rejects string annotations of comm hooks
+    """torch DDP comm hook: one ``dist.GradBucket`` reduced by the script's ``allreduce_bucket`` where it has one now
+    (looked up at each bucket, as Apex called it), the flat tensor it returns becoming the bucket; else by Apex's
+    reduction options."""
     ddp = ddp_ref()
+    allreduce_bucket = ddp._scripts_allreduce_bucket()
+    if allreduce_bucket is None:
+        return _apex_allreduce_hook(ddp._reduce_options, bucket)
     buffer = bucket.buffer()
-    reduced = ddp._call_allreduce_bucket(bucket.gradients(), bucket.index(), False)
+    reduced = ddp._call_allreduce_bucket(allreduce_bucket, bucket.gradients(), bucket.index(), False)
     if reduced is not None and reduced is not buffer:
         buffer.copy_(reduced.reshape(-1))
     future: torch.futures.Future = torch.futures.Future()
@@ -170,12 +175,9 @@ def _scripts_allreduce_hook(ddp_ref, bucket):  # unannotated: DDP rejects string
     return future
 
 
-def _allreduce_bucket_arity(ddp: torch.nn.Module) -> int | None:
-    """How many arguments the subclass's ``allreduce_bucket`` takes: 3 (Apex's last ``bucket, bucket_idx,
-    force_default_stream``) or 1 (its older ``bucket``); None where it has none (ampkit's class reduces by itself)."""
-    method = getattr(ddp, "allreduce_bucket", None)
-    if method is None:
-        return None
+def _allreduce_bucket_arity(method: Any) -> int:
+    """How many arguments a script's ``allreduce_bucket`` takes: 3 (Apex's last ``bucket, bucket_idx,
+    force_default_stream``) or 1 (its older ``bucket``)."""
     try:
         inspect.signature(method).bind([], 0, False)
     except TypeError:
@@ -434,21 +436,60 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if not self._reducer_params:  # a frozen module (a target network): torch's reducer never runs for it
             self._reducer_overlaps = False
         self._reached_params: set[int] | None = None  # filled by the parameters' hooks while _reducer_overlaps is None
-        # a subclass's own allreduce_bucket reduces each bucket, as Apex called it (decided once, here)
-        self._allreduce_bucket_arity = _allreduce_bucket_arity(self)
-        if not delay_allreduce and not self._parameterless:
-            if self._allreduce_bucket_arity is not None:
-                self.register_comm_hook(weakref.ref(self), _scripts_allreduce_hook)
-            elif not self._reduce_options.is_torch_default:
-                self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
+        # a script's allreduce_bucket (a subclass's method, or a function set on the instance, also after this)
+        # reduces each bucket, as Apex called it: looked up at each bucket, its arity kept per function
+        self._allreduce_bucket_arity: tuple[Any, int] | None = None
+        self._bucket_hook_registered = False
+        if self._scripts_allreduce_bucket() is not None or not self._reduce_options.is_torch_default:
+            self._register_bucket_hook()
+
+    def _register_bucket_hook(self) -> None:
+        """Reduce torch's buckets through :func:`_bucket_hook` from now on (once; not where no reducer overlaps)."""
+        if not (self.delay_allreduce or self._parameterless or self._bucket_hook_registered):
+            self.register_comm_hook(weakref.ref(self), _bucket_hook)
+            self._bucket_hook_registered = True
+
+    @property
+    def allreduce_bucket(self) -> Any:
+        """A function set on the instance (``ddp.allreduce_bucket = fn``, Apex's ``(bucket, bucket_idx,
+        force_default_stream)`` or ``(bucket)``) reduces each bucket from then on, as Apex looked it up at each call;
+        none set, there is none (ampkit's class reduces by itself)."""
+        try:
+            return self.__dict__["_assigned_allreduce_bucket"]
+        except KeyError:
+            raise AttributeError("allreduce_bucket") from None
+
+    @allreduce_bucket.setter
+    def allreduce_bucket(self, function: Any) -> None:
+        self.__dict__["_assigned_allreduce_bucket"] = function
+        self._register_bucket_hook()
+
+    @allreduce_bucket.deleter
+    def allreduce_bucket(self) -> None:
+        self.__dict__.pop("_assigned_allreduce_bucket", None)
+
+    def _scripts_allreduce_bucket(self) -> Any:
+        """The script's ``allreduce_bucket`` now: a function set on the instance (a subclass's instance too), else a
+        subclass's method; None where it has neither. A few dictionary lookups, read at each bucket."""
+        assigned = self.__dict__.get("_assigned_allreduce_bucket", self.__dict__.get("allreduce_bucket"))
+        if assigned is not None:
+            return assigned
+        if type(self).allreduce_bucket is not DistributedDataParallel.allreduce_bucket:
+            return self.allreduce_bucket
+        return None
 
     def _call_allreduce_bucket(
-        self, grads: list[torch.Tensor], bucket_idx: int, force_default_stream: bool
+        self, allreduce_bucket: Any, grads: list[torch.Tensor], bucket_idx: int, force_default_stream: bool
     ) -> torch.Tensor | None:
-        """The subclass's ``allreduce_bucket`` on one bucket of gradients, with the arguments its signature takes."""
-        if self._allreduce_bucket_arity == 1:
-            return self.allreduce_bucket(grads)
-        return self.allreduce_bucket(grads, bucket_idx, force_default_stream)
+        """The script's ``allreduce_bucket`` on one bucket of gradients, with the arguments its signature takes (read
+        once per function)."""
+        function = getattr(allreduce_bucket, "__func__", allreduce_bucket)
+        known = self._allreduce_bucket_arity
+        if known is None or known[0] is not function:
+            known = self._allreduce_bucket_arity = (function, _allreduce_bucket_arity(allreduce_bucket))
+        if known[1] == 1:
+            return allreduce_bucket(grads)
+        return allreduce_bucket(grads, bucket_idx, force_default_stream)
 
     def _wrap_with_torch(self, module: torch.nn.Module, torch_ddp_kwargs: dict[str, Any]) -> None:
         """torch's constructor on ``module`` (one frozen whole made trainable while it runs)."""
@@ -558,9 +599,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         group, world_size = _group_and_size(self._reduce_options)
         reduced_buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.nn.Parameter], torch.Tensor]] = {}
         for index, (key, params) in enumerate(_gradient_buckets(self._agree_gradients_to_reduce()).items()):
-            if self._allreduce_bucket_arity is not None:  # the subclass's, as Apex's allreduce_fallback called it
+            allreduce_bucket = self._scripts_allreduce_bucket()
+            if allreduce_bucket is not None:  # the script's, as Apex's allreduce_fallback called it
                 grads = [p.grad for p in params]
-                returned = self._call_allreduce_bucket(grads, index, True)
+                returned = self._call_allreduce_bucket(allreduce_bucket, grads, index, True)
                 reduced = torch.cat([g.reshape(-1) for g in grads]) if returned is None else returned.reshape(-1)
                 if reduced.dtype != key[1]:
                     reduced = reduced.to(key[1])

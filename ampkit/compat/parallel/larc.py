@@ -11,7 +11,8 @@ import torch
 
 from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._switches import checked_switch
-from ampkit.ops.optimizers._base import check_group_at_step, host_numbers
+from ampkit.ops.host_values import host_numbers
+from ampkit.ops.optimizers._base import check_group_at_step
 
 
 class LARC:

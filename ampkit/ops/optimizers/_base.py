@@ -29,15 +29,13 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
+from ampkit.ops._dtypes import HALF_DTYPES, KERNEL_DTYPES
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
 from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shard, shares_memory
 from ampkit.ops._switches import is_switch
-from ampkit.ops.multi_tensor import read_scalars
+from ampkit.ops.host_values import host_numbers, host_vectors
 from ampkit.ops.optimizers._state_map import StateMap
 from ampkit.wording import beyond_float, integer_digits, shown, type_of
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-_FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
 
 
 def acc_dtype(param: Tensor) -> torch.dtype:
@@ -245,15 +243,14 @@ def read_together(
     """GradScaler's skip and scale as host numbers, and ``values`` (a vector, or None) as a float64 host tensor: all
     copied in one transfer (one synchronization on CUDA)."""
     if values is None:
-        skip, scale = read_scalars(found_inf, grad_scale)
+        skip, scale = host_numbers([found_inf, grad_scale])
         return bool(skip), scale, None
     scalars = [t for t in (found_inf, grad_scale) if t is not None]
-    parts = [_scalar_on(t, values.device).double().reshape(1) for t in scalars] + [values.double().reshape(-1)]
-    host = torch.cat(parts).cpu()
-    head = iter(host[: len(scalars)].tolist())
+    *read, host = host_vectors([*scalars, values])
+    head = iter(float(v) for v in read)
     skip = found_inf is not None and next(head) != 0
     scale = next(head) if grad_scale is not None else None
-    return skip, scale, host[len(scalars) :]
+    return skip, scale, host
 
 
 def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | None = None) -> None:
@@ -404,26 +401,6 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
             "both Tensors"
         )
     return tuple(betas)
-
-
-def host_numbers(values: Sequence[float | Tensor]) -> list[float]:
-    """``values`` as host numbers, which every kernel here (and torch's fused ops) takes: a number as it is, a
-    one-element CPU tensor by ``item()`` (no copy, no new tensor), and those on a GPU all in one transfer (one host
-    sync for all, where each read alone synchronized once)."""
-    numbers = list(values)
-    off_cpu = []
-    for i, value in enumerate(numbers):
-        if isinstance(value, Tensor):
-            if value.device.type == "cpu":
-                numbers[i] = value.item()
-            else:
-                off_cpu.append(i)
-    if off_cpu:
-        device = numbers[off_cpu[0]].device
-        read = torch.stack([numbers[i].to(device=device, dtype=torch.float64).reshape(()) for i in off_cpu]).tolist()
-        for i, value in zip(off_cpu, read, strict=True):
-            numbers[i] = value
-    return numbers
 
 
 def check_group_hypers(group: dict[str, Any]) -> None:
@@ -697,7 +674,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):
-            if p.dtype not in _FLOAT_DTYPES:
+            if p.dtype not in KERNEL_DTYPES:
                 raise TypeError(
                     f"{type(self).__name__}: params[{i}] has dtype {p.dtype}; expected float32, float64, "
                     "float16 or bfloat16"
@@ -1021,14 +998,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             self._check_grad(group, index, p, g)
-            if g.dtype != p.dtype and not (g.dtype == torch.float32 and p.dtype in _HALF_DTYPES):
+            if g.dtype != p.dtype and not (g.dtype == torch.float32 and p.dtype in HALF_DTYPES):
                 g = g.to(p.dtype)
             if g.stride() != p.stride():
                 g = torch.empty_like(p, dtype=g.dtype).copy_(g)
             state = self.state[p]
             if len(state) == 0:
                 self._init_state(p, state, group)
-            if self.master_weights and p.dtype in _HALF_DTYPES and "master_param" not in state:
+            if self.master_weights and p.dtype in HALF_DTYPES and "master_param" not in state:
                 # a fresh state, or one loaded without it (saved without master weights, by torch.optim)
                 state["master_param"] = p.detach().to(torch.float32, copy=True)
             key = (p.dtype, g.dtype, p.device, sharded)
@@ -1055,7 +1032,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Refuse a ``.grad`` that torch's own assignment check would have (one set through ``.grad.data``, as Apex-era
         code does): of another shape, the step broadcast it over the parameter (or the kernels read past its end); of a
         dtype that is not floating point, it was cast (a complex one losing its imaginary part)."""
-        if grad.shape == param.shape and grad.dtype in _FLOAT_DTYPES:
+        if grad.shape == param.shape and grad.dtype in KERNEL_DTYPES:
             return
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
         where = f"{type(self).__name__}: param_groups[{group_index}]['params'][{index}]"
@@ -1215,7 +1192,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 for key in [k for k, v in state.items() if v is None]:  # torch's "not created yet"
                     del state[key]
-                if "master_param" in state and p.dtype not in _HALF_DTYPES:
+                if "master_param" in state and p.dtype not in HALF_DTYPES:
                     del state["master_param"]  # a float32/64 parameter is its own master
                 fresh: dict[str, Any] = {}
                 self._init_state(p, fresh, group)

@@ -13,9 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from ampkit.ops._dtypes import KERNEL_DTYPES
 from ampkit.ops._layout import is_dense
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -33,7 +32,7 @@ def _check_length(op: str, tensors: Sequence, name: str, ref_len: int, ref_name:
 def _check_tensor(op: str, t: torch.Tensor, name: str, i: int, device: torch.device, numel: int | None) -> None:
     if t is None:
         raise RuntimeError(f"{op}: `{name}[{i}]` is undefined (None)")
-    if t.dtype not in _FLOATS:
+    if t.dtype not in KERNEL_DTYPES:
         raise RuntimeError(f"{op}: `{name}[{i}]` has dtype {t.dtype}; expected float32, float16, bfloat16 or float64")
     if t.device != device:
         raise RuntimeError(

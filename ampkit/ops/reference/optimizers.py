@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ampkit.ops._dtypes import HALF_DTYPES, KERNEL_DTYPES
 from ampkit.ops._layout import shares_memory
 
 TensorList = Sequence[Tensor]
@@ -22,9 +23,6 @@ TensorList = Sequence[Tensor]
 
 def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _check_lists(
@@ -46,7 +44,7 @@ def _check_lists(
     short (or one tensor on another device) stepped every parameter before it, then failed naming no list. Last,
     GradScaler's ``scaler`` tensors (``grad_scale``, ``found_inf``) as :func:`_check_scaler` takes them."""
     for i, p in enumerate(params):
-        if p.dtype not in _FLOATS:
+        if p.dtype not in KERNEL_DTYPES:
             raise RuntimeError(f"{op}: params[{i}] has dtype {p.dtype}; expected float32, float64, float16 or bfloat16")
         if p.dtype != params[0].dtype:
             raise RuntimeError(
@@ -63,7 +61,7 @@ def _check_lists(
         elif len(values):
             raise RuntimeError(f"{op}: {name} must be empty for these options; got {len(values)} tensors")
     if len(master_params):
-        if params and params[0].dtype not in (torch.float16, torch.bfloat16):
+        if params and params[0].dtype not in HALF_DTYPES:
             raise RuntimeError(
                 f"{op}: master_params are only meaningful for float16/bfloat16 params, but params are {params[0].dtype}"
             )

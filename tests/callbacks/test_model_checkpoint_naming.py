@@ -1,0 +1,102 @@
+"""Lightning's naming attributes of ModelCheckpoint (``checkpoint_callback.CHECKPOINT_NAME_LAST = "{epoch}-last"``, as
+its docs show): the last name is honoured as Lightning formats it, beside the last.pt a resume reads; the others are
+refused where changed, naming why, instead of being silently ignored."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit.callbacks import ModelCheckpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+
+# 48 samples in batches of 8: 6 iterations an epoch
+SETTINGS = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False,
+            "checkpoint.enabled": False, "trainer.num_sanity_val_steps": 0, "data.n": 48}  # fmt: skip
+
+
+def _fit(tmp_path, callback: ModelCheckpoint, epochs: int, resume: str | None = None) -> ToyTrainer:
+    run = ToyTrainer(toy_cfg(tmp_path, **SETTINGS, **{"trainer.max_epochs": epochs}), callbacks=[callback])
+    run.fit(resume=resume)
+    return run
+
+
+def test_checkpoint_name_last_set_on_the_instance_names_a_copy_of_the_newest_as_lightning_formats_it(tmp_path):
+    """It did nothing. Now each save also writes ``epoch=<current_epoch>-last.pt`` (the previous one removed, as
+    Lightning's save_last does), last_model_path names it, and --resume last (last.pt) continues the run, which
+    removes the resumed run's named file at its next save."""
+    callback = ModelCheckpoint()
+    callback.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    run = _fit(tmp_path, callback, epochs=3)
+    directory = run.version_dir / "checkpoints"
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == ["epoch-0002.pt", "epoch-0003.pt", "epoch=2-last.pt", "last.pt"]
+    assert callback.last_model_path == str(directory / "epoch=2-last.pt")
+    assert load_checkpoint(directory / "epoch=2-last.pt")["loop"] == load_checkpoint(directory / "last.pt")["loop"]
+    again = ModelCheckpoint()
+    again.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    resumed = _fit(tmp_path, again, epochs=4, resume="last")
+    assert resumed.version_dir == run.version_dir and resumed.state.global_step == 24
+    assert sorted(p.name for p in directory.glob("*last*")) == ["epoch=3-last.pt", "last.pt"]
+    assert load_checkpoint(directory / "epoch=3-last.pt")["loop"]["global_step"] == 24
+
+
+def test_a_subclass_s_last_name_takes_its_equals_char_format_spec_and_step(tmp_path):
+    """Set on a subclass, with Lightning's CHECKPOINT_EQUALS_CHAR and a format spec; a constant name is one file."""
+
+    class Latest(ModelCheckpoint):
+        CHECKPOINT_NAME_LAST = "{step:05d}-latest"
+        CHECKPOINT_EQUALS_CHAR = "_"
+
+    run = _fit(tmp_path, Latest(every_n_steps=4, every_n_epochs=0), epochs=2)
+    names = sorted(p.name for p in (run.version_dir / "checkpoints").iterdir())
+    assert names == ["last.pt", "step-00000008.pt", "step-00000012.pt", "step_00012-latest.pt"]
+
+    class Constant(ModelCheckpoint):
+        CHECKPOINT_NAME_LAST = "latest"
+
+    run = _fit(tmp_path / "constant", Constant(), epochs=2)
+    assert load_checkpoint(run.version_dir / "checkpoints" / "latest.pt")["loop"]["global_step"] == 12
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "said"),
+    [
+        ("FILE_EXTENSION", ".ckpt", "FILE_EXTENSION = '.ckpt' is not taken (only '.pt'): ampkit's checkpoints are .pt"),
+        ("CHECKPOINT_JOIN_CHAR", "_", "CHECKPOINT_JOIN_CHAR = '_' is not taken (only '-'): it joins a filename's"),
+        ("STARTING_VERSION", 0, "STARTING_VERSION = 0 is not taken (only 1): it numbers Lightning's -v1, -v2"),
+        ("CHECKPOINT_EQUALS_CHAR", "_", "CHECKPOINT_EQUALS_CHAR = '_' would change no file's name: here it goes only"),
+        ("CHECKPOINT_NAME_LAST", "{val_loss:.2f}-last", "its field {val_loss} is none of {epoch} and {step}"),
+        ("CHECKPOINT_NAME_LAST", "best", "it makes 'best.pt', the name of one of ampkit's own checkpoint files"),
+        ("CHECKPOINT_NAME_LAST", "{epoch", "it is no format string"),
+        ("CHECKPOINT_NAME_LAST", "runs/{epoch}", "which is no plain file name in the checkpoints directory"),
+        ("CHECKPOINT_NAME_LAST", "", "expected a non-empty string such as 'last' or '{epoch}-last'"),
+    ],
+)  # fmt: skip
+def test_a_naming_attribute_ampkit_cannot_honour_is_refused_on_a_subclass_and_on_an_instance(
+    tmp_path, attribute, value, said
+):
+    """On a subclass the construction refuses it; set on an instance (Lightning's docs' way), the fit does, before
+    training. Each was silently ignored."""
+    subclass = type("Named", (ModelCheckpoint,), {attribute: value})
+    with pytest.raises(ValueError, match="Named." + attribute) as refused:
+        subclass()
+    assert said in str(refused.value)
+    callback = ModelCheckpoint()
+    setattr(callback, attribute, value)
+    run = ToyTrainer(toy_cfg(tmp_path, **SETTINGS, **{"trainer.max_epochs": 1}), callbacks=[callback])
+    with pytest.raises(ValueError, match="ModelCheckpoint." + attribute) as refused:
+        run.fit()
+    assert said in str(refused.value) and run.state.global_step == 0
+
+
+@pytest.mark.parametrize("named", ["step-00000003.pt", "last.pt", "best-00000002.pt", "../notes.txt"])
+def test_a_restored_last_copy_naming_one_of_ampkit_s_files_or_a_path_is_refused(named):
+    """The next save removes the previous CHECKPOINT_NAME_LAST copy: an edited checkpoint naming a step file (or a
+    path outside the directory) as that copy would have had it deleted. The state it had is kept."""
+    callback = ModelCheckpoint()
+    with pytest.raises(CheckpointError, match=re.escape(repr(named))):
+        callback.load_state_dict({"best_k": {}, "kept": [], "protected": [], "named_last": named})
+    assert callback.state_dict().get("named_last") is None
