@@ -406,6 +406,56 @@ def test_a_first_save_whose_best_k_copy_failed_is_copied_again_by_the_resume_tha
     assert (checkpoints / "best").resolve().name == "best-00000008"
 
 
+class PutsThingsAtTempNames(ampkit.Callback):
+    """Once training starts (after the fit's tidy), puts the user's things at the temp names the saves and removals of
+    the run below go through: folders, a file and links (one to a folder of theirs, whose file must stay)."""
+
+    def on_train_start(self, trainer) -> None:
+        checkpoints = trainer.version_dir / "checkpoints"
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        (checkpoints / ".epoch-0001.tmp").mkdir()  # the first save's folder, and keep_last's removal of it later
+        (checkpoints / ".epoch-0001.tmp" / "notes.txt").write_text("mine")
+        (checkpoints / ".best-00000008.tmp").write_text("my file")  # the best-k copy's, and its drop's
+        (checkpoints / ".last.tmp").mkdir()  # the last link's
+        exports = trainer.version_dir.parent / "exports"
+        exports.mkdir()
+        (exports / "trainer.pt").write_text("my own trainer.pt")
+        (checkpoints / ".epoch-0002.tmp").symlink_to(exports)  # a link to a folder of the user's
+        (checkpoints / ".best.tmp").symlink_to("my-exports")  # a link to no checkpoint's name
+
+
+def test_a_sharded_run_saves_and_prunes_past_the_users_things_at_its_temp_names(tmp_path, monkeypatch):
+    """A folder, file or link of the user's at a temp name a sharded save, copy, link move or removal goes through
+    (``.epoch-0001.tmp``, ``.best-00000008.tmp``, ``.last.tmp``) stopped the run with a FileExistsError, or left a
+    checkpoint unpruned: the run trains on, each save through a free temp name, and every one of the user's things
+    stays as it was (a linked folder's files too), named once."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from ampkit.trainer import temp_names
+
+    monkeypatch.setattr(temp_names, "_named", set())
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)
+    cfg = _cfg(tmp_path, trainer={"max_epochs": 3}, distributed=FSDP,
+               checkpoint={"monitor": "val/mse", "save_top_k": 1, "keep_last": 1})  # fmt: skip
+    with pytest.warns(UserWarning) as said:
+        ScriptedValidation(cfg, callbacks=[PutsThingsAtTempNames()]).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    theirs = [".best-00000008.tmp", ".best.tmp", ".epoch-0001.tmp", ".epoch-0002.tmp", ".last.tmp"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [*theirs, "best", "best-00000016", "epoch-0003", "last"]
+    assert (checkpoints / ".epoch-0001.tmp" / "notes.txt").read_text() == "mine"
+    assert [p.name for p in (checkpoints / ".epoch-0001.tmp").iterdir()] == ["notes.txt"]
+    assert (checkpoints / ".best-00000008.tmp").read_text() == "my file"
+    assert (checkpoints / ".last.tmp").is_dir() and not any((checkpoints / ".last.tmp").iterdir())
+    assert (tmp_path / "run" / "exports" / "trainer.pt").read_text() == "my own trainer.pt"
+    assert os.readlink(checkpoints / ".best.tmp") == "my-exports"
+    assert os.readlink(checkpoints / "last") == "epoch-0003" and os.readlink(checkpoints / "best") == "best-00000016"
+    for name, step in (("epoch-0003", 24), ("best-00000016", 16)):
+        assert checkpoint_damage(checkpoints / name) is None
+        assert load_checkpoint(checkpoints / name / "trainer.pt")["loop"]["global_step"] == step
+    named = [str(w.message) for w in said if "writes through a free temp name" in str(w.message)]
+    assert sorted(m.split("'")[1].rpartition("/")[2] for m in named) == theirs, named  # each once
+
+
 @pytest.mark.parametrize("failing", ["shards", "trainer.pt", "shard file at 0.5", "shard file at 0.95"])
 def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_to_resume(
     tmp_path, monkeypatch, failing

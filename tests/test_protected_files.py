@@ -15,7 +15,7 @@ from checkpoint_compare import assert_same_checkpoint
 from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint, save_atomic
+from ampkit.trainer.checkpoint_io import CheckpointError, _umask, load_checkpoint, save_atomic
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
 
@@ -380,16 +380,42 @@ def test_a_run_does_not_read_back_the_checkpoints_it_wrote_to_tell_them_from_a_u
     assert read == []
 
 
-def test_a_sharded_save_clears_only_a_killed_save_s_files_from_its_temp_folder(tmp_path):
+def _sharded_folder(folder: Path, text: bytes = b"a part") -> Path:
+    folder.mkdir(parents=True)
+    for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+        (folder / part).write_bytes(text)
+    return folder
+
+
+def _own_files(folder: Path) -> dict:
+    """Every file and link under ``folder``, by path: its bytes (a link: where it leads)."""
+    return {
+        p: os.readlink(p) if p.is_symlink() else p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_symlink() or p.is_file()
+    }
+
+
+@pytest.fixture
+def named_once(monkeypatch):
+    """Warnings as a Trainer's rank zero gives them, and a fresh record of the user's things named at temp names."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from ampkit.trainer import temp_names
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)
+    monkeypatch.setattr(temp_names, "_named", set())
+
+
+def test_a_sharded_save_clears_only_a_killed_save_s_files_from_its_temp_folder(tmp_path, named_once):
     """The save's temp folder (``.best-00000004.tmp``) was deleted whole before each save: a folder of that name the
-    user made, or the notes they put in one a kill left, went with it. A kill's own leftovers (DCP's ``.metadata.tmp``,
-    a shard, ``trainer.pt``'s temp file) still go, and the save is made."""
+    user made, or the notes they put in one a kill left, went with it; then such a folder stopped the save, and the run.
+    A kill's own leftovers (DCP's ``.metadata.tmp``, a shard, ``trainer.pt``'s temp file) go, and the save is made;
+    the user's folder or file there stays as it is, named once, and the save goes through a free temp name."""
+    from ampkit.trainer import temp_names
     from ampkit.trainer.sharded_checkpoint import copy_sharded
 
-    source, alias = tmp_path / "step-00000004", tmp_path / "best-00000004"
-    source.mkdir()
-    for part in (".metadata", "__0_0.distcp", "trainer.pt"):
-        (source / part).write_bytes(b"new")
+    source, alias = _sharded_folder(tmp_path / "step-00000004", b"new"), tmp_path / "best-00000004"
     tmp = tmp_path / ".best-00000004.tmp"
     tmp.mkdir()
     for leftover in (".metadata.tmp", "__0_0.distcp", ".trainer.pt.k3x9_q0a.tmp", "..metadata.abcd1234.tmp"):
@@ -398,20 +424,33 @@ def test_a_sharded_save_clears_only_a_killed_save_s_files_from_its_temp_folder(t
     assert sorted(p.name for p in alias.iterdir()) == [".metadata", "__0_0.distcp", "trainer.pt"]
     assert not tmp.exists()
 
-    shutil.rmtree(alias)  # made again below, where only its temp folder is in the way
-    tmp.mkdir()
-    (tmp / "__0_0.distcp").write_bytes(b"half")
-    (tmp / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match=r"\.best-00000004\.tmp' is a folder holding notes\.txt") as raised:
-        copy_sharded(source, alias)
-    assert raised.value.filename == str(tmp) and (tmp / "notes.txt").read_text() == "mine"
-    assert not alias.exists()
-
-    shutil.rmtree(tmp)
-    tmp.write_text("a file of mine")
-    with pytest.raises(FileExistsError, match="is a file: ampkit saves a checkpoint through that temp name"):
-        copy_sharded(source, alias)
-    assert tmp.read_text() == "a file of mine"
+    for mine in ("a folder", "a file"):
+        shutil.rmtree(alias)  # made again below, where only its temp name is in the way
+        if mine == "a folder":
+            tmp.mkdir()
+            (tmp / "__0_0.distcp").write_bytes(b"half")  # a kill's, beside the user's notes: it goes
+            (tmp / "notes.txt").write_text("mine")
+            said = r"\.best-00000004\.tmp' is a folder holding notes\.txt, which ampkit did not write: ampkit keeps it"
+        else:
+            shutil.rmtree(tmp)
+            tmp.write_text("a file of mine")
+            said = r"\.best-00000004\.tmp' is a file: ampkit keeps it as it is and writes through a free temp name"
+        with pytest.warns(UserWarning, match=said):
+            copy_sharded(source, alias)
+        assert {p.name: p.read_bytes() for p in alias.iterdir()} == {n: b"new" for n in (".metadata", "__0_0.distcp",
+                                                                                          "trainer.pt")}  # fmt: skip
+        assert alias.stat().st_mode & 0o777 == 0o777 & ~_umask()  # as mkdir makes it, not mkdtemp (0o700)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the next save through it: said once
+            shutil.rmtree(alias)
+            copy_sharded(source, alias)
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == [".best-00000004.tmp", "best-00000004", "step-00000004"], left
+        if mine == "a folder":
+            assert _own_files(tmp) == {tmp / "notes.txt": b"mine"}
+        else:
+            assert tmp.read_text() == "a file of mine"
+        temp_names._named.clear()  # the next case's thing stands at the same name: said again
 
 
 def test_a_checkpoint_file_that_cannot_be_deleted_stops_a_save_but_not_a_removal(tmp_path, monkeypatch):
@@ -420,7 +459,7 @@ def test_a_checkpoint_file_that_cannot_be_deleted_stops_a_save_but_not_a_removal
     the user's; a removal deletes what it can and carries on, as a tidy or a failing save's clean-up must."""
     from lightning_utilities.core.rank_zero import rank_zero_only
 
-    from ampkit.trainer.sharded_checkpoint import clear_temp_dir, discard_checkpoint_dir
+    from ampkit.trainer.sharded_checkpoint import discard_checkpoint_dir, free_temp_dir_name
 
     monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # as a Trainer sets it
     unlink = Path.unlink
@@ -436,7 +475,7 @@ def test_a_checkpoint_file_that_cannot_be_deleted_stops_a_save_but_not_a_removal
     for part in ("__0_0.distcp", "trainer.pt"):
         (tmp / part).write_bytes(b"half")
     with pytest.raises(PermissionError) as raised:
-        clear_temp_dir(tmp)
+        free_temp_dir_name(tmp_path / "step-00000004", "tmp")
     assert raised.value.filename == str(tmp / "__0_0.distcp")
     (tmp / "trainer.pt").write_bytes(b"half")
     with warnings.catch_warnings(record=True) as caught:
@@ -448,22 +487,33 @@ def test_a_checkpoint_file_that_cannot_be_deleted_stops_a_save_but_not_a_removal
     assert not any("which ampkit did not write" in m for m in said), said
 
 
-def test_moving_a_sharded_alias_never_deletes_a_users_file_at_its_temp_name(tmp_path):
-    """``point_last_at`` deleted whatever stood at ``.last.tmp`` before making its link there; ampkit makes only a link
-    there, which a kill may leave and which goes."""
+def test_moving_a_sharded_alias_never_deletes_a_users_file_at_its_temp_name(tmp_path, named_once):
+    """``point_last_at`` deleted whatever stood at ``.last.tmp`` before making its link there, then refused a file of
+    the user's there, stopping the save. ampkit makes only a link to a checkpoint's name there, which a kill may leave
+    and which goes; the user's file, or link elsewhere, stays, and the link moves through a free temp name."""
+    from ampkit.trainer import temp_names
     from ampkit.trainer.sharded_checkpoint import point_last_at
 
     (tmp_path / "step-00000001").mkdir()
+    (tmp_path / "step-00000002").mkdir()
     mine = tmp_path / ".last.tmp"
     mine.write_bytes(b"my notes")
-    with pytest.raises(FileExistsError, match="ampkit makes its last link through that temp name") as raised:
+    with pytest.warns(UserWarning, match=r"\.last\.tmp' is a file: ampkit keeps it as it is"):
         point_last_at(tmp_path / "step-00000001")
-    assert raised.value.filename == str(mine) and mine.read_bytes() == b"my notes"
-    assert not (tmp_path / "last").exists()
+    assert os.readlink(tmp_path / "last") == "step-00000001" and mine.read_bytes() == b"my notes"
+    mine.unlink()
+    os.symlink("my-exports", mine)  # the user's link, to no checkpoint's name
+    temp_names._named.clear()  # named once in a process: another thing at the same name is said again here
+    with pytest.warns(UserWarning, match=r"\.last\.tmp' is a link of yours"):
+        point_last_at(tmp_path / "step-00000002")
+    assert os.readlink(tmp_path / "last") == "step-00000002" and os.readlink(mine) == "my-exports"
     mine.unlink()
     os.symlink("step-00000001", mine)  # a kill's
-    point_last_at(tmp_path / "step-00000001")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        point_last_at(tmp_path / "step-00000001")
     assert os.readlink(tmp_path / "last") == "step-00000001" and not mine.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-00000001", "step-00000002"]
 
 
 def test_a_resumed_process_prunes_and_replaces_its_run_s_checkpoints_as_the_uninterrupted_run(tmp_path):
@@ -517,34 +567,33 @@ def test_a_resumed_process_prunes_and_replaces_its_run_s_checkpoints_as_the_unin
     assert len(about_mine) == 1 and "holds no ampkit checkpoint" in str(about_mine[0].message)
 
 
-def test_moving_a_sharded_alias_over_a_copied_checkpoint_never_deletes_a_users_folder_at_its_set_aside_name(tmp_path):
+def test_moving_a_sharded_alias_over_a_copied_checkpoint_never_deletes_a_users_folder_at_its_set_aside_name(
+    tmp_path, named_once
+):
     """``last`` copied whole by a tool that follows links is set aside as ``.last.old`` while the link takes its place;
-    whatever stood at ``.last.old`` was deleted first, a folder of the user's too."""
+    whatever stood at ``.last.old`` was deleted first, a folder of the user's too; then such a folder stopped the save.
+    The copy is set aside under a free name and goes; the user's folder stays as it is."""
     from ampkit.trainer.sharded_checkpoint import point_last_at
 
     (tmp_path / "step-00000002").mkdir()
-    copied = tmp_path / "last"
-    copied.mkdir()
-    for part in (".metadata", "__0_0.distcp", "trainer.pt"):
-        (copied / part).write_bytes(b"a part")
+    _sharded_folder(tmp_path / "last")
     mine = tmp_path / ".last.old"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match=r"\.last\.old' is a folder holding notes\.txt"):
+    with pytest.warns(UserWarning, match=r"\.last\.old' is a folder holding notes\.txt, which ampkit did not write"):
         point_last_at(tmp_path / "step-00000002")
-    assert (mine / "notes.txt").read_text() == "mine" and copied.is_dir() and not copied.is_symlink()
-    assert not (tmp_path / ".last.tmp").exists() and not (tmp_path / ".last.tmp").is_symlink()
+    assert os.readlink(tmp_path / "last") == "step-00000002"
+    assert _own_files(mine) == {mine / "notes.txt": b"mine"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".last.old", "last", "step-00000002"]
 
 
-def test_pruning_a_sharded_checkpoint_past_a_users_folder_at_its_temp_name_names_it_once(tmp_path, monkeypatch):
+def test_pruning_a_sharded_checkpoint_past_a_users_folder_at_its_temp_name_names_it_once(tmp_path, named_once):
     """A removal renames the checkpoint to ``.step-N.tmp`` first; with a folder of the user's there the rename failed
-    and the checkpoint stayed, past keep_last, at every save's pruning without a word."""
-    from lightning_utilities.core.rank_zero import rank_zero_only
-
+    and the checkpoint stayed, past keep_last, at every save's pruning (named once later, but kept all the same). It
+    goes through a free temp name now; the user's folder stays as it is, named once."""
     from ampkit.trainer.sharded_checkpoint import prune_sharded
 
-    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # as a Trainer sets it
-    for step in (2, 4):
+    for step in (2, 4, 6):
         folder = tmp_path / f"step-0000000{step}"
         folder.mkdir()
         for part in (".metadata", "__0_0.distcp"):
@@ -553,16 +602,11 @@ def test_pruning_a_sharded_checkpoint_past_a_users_folder_at_its_temp_name_names
     mine = tmp_path / ".step-00000002.tmp"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    warned: set[Path] = set()
-    with pytest.warns(UserWarning, match=r"step-00000002' is not deleted: '.*\.step-00000002\.tmp'.* holds something"):
-        prune_sharded(tmp_path, keep_last=1, warned=warned)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the next save's pruning: said once
-        prune_sharded(tmp_path, keep_last=1, warned=warned)
-    assert (tmp_path / "step-00000002" / "trainer.pt").is_file() and (mine / "notes.txt").read_text() == "mine"
-    mine.rename(tmp_path / "my-notes")
-    prune_sharded(tmp_path, keep_last=1, warned=warned)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-notes", "step-00000004"]
+    with pytest.warns(UserWarning, match=r"\.step-00000002\.tmp' is a folder holding notes\.txt") as said:
+        prune_sharded(tmp_path, keep_last=2)
+    assert len(said) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-00000002.tmp", "step-00000004", "step-00000006"]
+    assert _own_files(mine) == {mine / "notes.txt": b"mine"}
 
 
 def test_pruning_never_deletes_through_a_users_link_at_a_checkpoints_name(tmp_path, monkeypatch):
@@ -604,18 +648,33 @@ def test_pruning_never_deletes_through_a_users_link_at_a_checkpoints_name(tmp_pa
     assert (files / "step-00000002.pt").is_symlink() and (elsewhere / "step-2.pt").is_file()
 
 
-def test_a_sharded_save_of_a_name_again_names_a_users_file_at_its_set_aside_name(tmp_path):
+def test_a_sharded_save_of_a_name_again_steps_around_a_users_file_at_its_set_aside_name(tmp_path, named_once):
     """A checkpoint saved again under its name is set aside as ``.<name>.old`` first; a file of the user's there failed
-    the save with a bare 'Not a directory' naming neither it nor what to do. It is kept, and named."""
+    the save with a bare 'Not a directory', then with its name, stopping the run. It is kept, named, and the old
+    checkpoint set aside under a free name while the new one takes its place."""
     from ampkit.trainer.sharded_checkpoint import copy_sharded
 
-    source, alias = tmp_path / "step-00000004", tmp_path / "best-00000004"
-    for folder, text in ((source, b"new"), (alias, b"old")):
-        folder.mkdir()
-        for part in (".metadata", "__0_0.distcp", "trainer.pt"):
-            (folder / part).write_bytes(text)
+    source, alias = _sharded_folder(tmp_path / "step-00000004", b"new"), _sharded_folder(tmp_path / "best-00000004")
+    (alias / "eval.json").write_text("{}")  # the user's file in the old checkpoint moves on into the new one
     mine = tmp_path / ".best-00000004.old"
     mine.write_text("my notes")
-    with pytest.raises(FileExistsError, match=r"\.best-00000004\.old' is a file: ampkit saves a checkpoint"):
+    with pytest.warns(UserWarning, match=r"\.best-00000004\.old' is a file: ampkit keeps it as it is"):
         copy_sharded(source, alias)
-    assert mine.read_text() == "my notes" and (alias / "trainer.pt").read_bytes() == b"old"
+    assert mine.read_text() == "my notes" and (alias / "trainer.pt").read_bytes() == b"new"
+    assert (alias / "eval.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".best-00000004.old", "best-00000004", "step-00000004"]
+
+
+def test_a_resume_s_tidy_never_removes_a_users_dangling_link_at_best(tmp_path):
+    """A sharded run's resume removed a ``best`` link that led nowhere where its ranking named no whole best: a link
+    of the user's there (to exports they moved away) went too. Only a link to a checkpoint's name, as ampkit makes it,
+    is the kill's to remove."""
+    from ampkit.callbacks import ModelCheckpoint
+
+    (tmp_path / "best").symlink_to("../my-exports")
+    ModelCheckpoint(monitor="val/mse")._relink_best(tmp_path)
+    assert os.readlink(tmp_path / "best") == "../my-exports"
+    (tmp_path / "best").unlink()
+    (tmp_path / "best").symlink_to("best-00000004")  # a kill's, to a directory gone since
+    ModelCheckpoint(monitor="val/mse")._relink_best(tmp_path)
+    assert not (tmp_path / "best").is_symlink()

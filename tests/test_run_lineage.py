@@ -516,8 +516,9 @@ def _plant_stale_temps(checkpoints) -> tuple[list, list]:
         checkpoints / ".last.pt.tmp",
         checkpoints.parent / "x.tmp",
     ]
-    for path in ours[:2] + ours[3:]:
+    for path in ours[:2]:
         path.write_bytes(b"PK\x03\x04half")  # the start of torch's zip archive, cut short
+    ours[3].write_text((checkpoints.parent / "config.yaml").read_text())  # written whole, killed before its rename
     for path in users:
         path.write_bytes(b"half")
     ours[2].mkdir()
@@ -546,6 +547,95 @@ def test_the_tidy_deletes_no_file_of_the_user_s_that_only_looks_like_a_temp_name
     assert sorted(removed) == sorted([*ours, checkpoints / ".last.tmp"])
     assert all(path.read_text() == "my notes" for path in users)
     assert os.readlink(checkpoints / ".step-00000006.tmp") == "exports"
+
+
+def _dead_pid() -> int:
+    """A pid no process has now: one that ran and ended."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_the_tidy_removes_a_record_s_or_a_lock_s_temp_file_only_where_it_holds_what_ampkit_writes_there(tmp_path):
+    """The config's, the lineage's and the lock's temp names were tidied by their name alone (the lock's by a dead pid
+    in it): a file of the user's under such a name was deleted. What a kill leaves there (nothing yet, or the record or
+    lock as ampkit writes it) goes; anything else stays. A folder of the user's at a sharded save's temp name holding no
+    part of a checkpoint stays where it is: it was moved to the checkpoint's name, where the next save of it stopped."""
+    from ampkit.trainer.run_life import remove_stale_temps
+
+    cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2})
+    ToyTrainer(cfg).fit()
+    version_dir = tmp_path / "run" / "version_0"
+    checkpoints, dead = version_dir / "checkpoints", _dead_pid()
+    lineage = OmegaConf.to_yaml({"branched_from": "/a/step-00000002.pt", "origin_version_dir": "/a", "global_step": 2,
+                                 "epoch": 0})  # fmt: skip
+    lock = json.dumps({"pid": dead, "host": socket.gethostname(), "since": "then", "lock": "ab12.0"})
+    ours = {
+        f".config.yaml.{'a' * 8}.tmp": (version_dir / "config.yaml").read_text(),
+        f".config.resumed_at_step_2.yaml.{'b' * 8}.tmp": "",  # killed before the write
+        f".lineage.yaml.{'c' * 8}.tmp": lineage,
+        f".{LOCK_FILE}.{dead}.{'d' * 8}.tmp": lock,
+        f".{LOCK_FILE}.stale.{dead}.{'e' * 8}": lock,
+        f".{LOCK_FILE}.stale.{dead}.{'j' * 8}": "",  # made free, killed before the lock moved there
+        f".{LOCK_FILE}.{dead}.tmp": lock,  # an older ampkit's name
+    }
+    theirs = {
+        f".config.yaml.{'f' * 8}.tmp": "lr: 0.1  # my own sweep's\n",
+        f".lineage.yaml.{'g' * 8}.tmp": "parent: exp-3\n",
+        f".config.yaml.{'h' * 8}.tmp": "{not yaml at all",
+        f".{LOCK_FILE}.{dead}.{'i' * 8}.tmp": "my notes",
+        f".{LOCK_FILE}.stale.{dead}": '{"pid": 1}',
+    }
+    for name, text in [*ours.items(), *theirs.items()]:
+        (version_dir / name).write_text(text)
+    mine = checkpoints / ".step-00000006.tmp"
+    mine.mkdir()
+    (mine / "eval.json").write_text("{}")
+    removed = remove_stale_temps(version_dir)
+    assert sorted(p.name for p in removed) == sorted(ours)
+    assert {name: (version_dir / name).read_text() for name in theirs} == theirs
+    assert [p.name for p in mine.iterdir()] == ["eval.json"] and not (checkpoints / "step-00000006").exists()
+
+
+def test_the_tidy_takes_back_what_a_kill_left_at_a_free_temp_name(tmp_path):
+    """A save that stepped around the user's thing at its usual temp name went through a free one
+    (``.<name>.<random>.tmp`` or ``.old``, temp_names): a kill there leaves a folder, a set-aside checkpoint or a link
+    the tidy must know as well as the usual names, or it stays for good (a checkpoint set aside: never put back). A link
+    of the user's at a temp name stays, though it leads to a checkpoint's name."""
+    from ampkit.trainer.run_life import remove_stale_temps
+
+    checkpoints = tmp_path / "version_0" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for name in (".step-00000008.k3x9_q0a.tmp", ".step-00000004.abcd1234.old", "step-00000002"):
+        (checkpoints / name).mkdir()
+        for part in (".metadata", "__0_0.distcp", "trainer.pt"):
+            (checkpoints / name / part).write_bytes(name.encode())
+    os.symlink("step-00000002", checkpoints / ".last.zz99yy88.tmp")  # point_last_at's, at a free name
+    os.symlink("step-00000002", checkpoints / ".step-00000006.tmp")  # the user's: ampkit links only last and best
+    removed = remove_stale_temps(tmp_path / "version_0")
+    assert sorted(p.name for p in removed) == [".last.zz99yy88.tmp", ".step-00000008.k3x9_q0a.tmp"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-00000006.tmp", "step-00000002", "step-00000004"]
+    assert (checkpoints / "step-00000004" / "trainer.pt").read_bytes() == b".step-00000004.abcd1234.old"
+
+
+def test_a_run_lock_never_writes_over_a_users_file_at_its_temp_or_stale_name(tmp_path):
+    """The lock was written through ``.run.lock.<pid>.tmp`` and a stale one moved aside to ``.run.lock.stale.<pid>``,
+    over whatever stood there: a file of the user's of that name was overwritten, then deleted. Both go through free
+    names now."""
+    from ampkit.trainer.run_life import RunLock
+
+    version_dir = tmp_path / "version_0"
+    version_dir.mkdir()
+    theirs = {f".{LOCK_FILE}.{os.getpid()}.tmp": "my notes", f".{LOCK_FILE}.stale.{os.getpid()}": "my other notes"}
+    for name, text in theirs.items():
+        (version_dir / name).write_text(text)
+    stale = {"pid": _dead_pid(), "host": socket.gethostname(), "since": "then", "lock": "ab12.0"}
+    (version_dir / LOCK_FILE).write_text(json.dumps(stale))  # a killed run's: taken over
+    lock = RunLock(version_dir)
+    lock.acquire()
+    assert json.loads((version_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert {p.name: p.read_text() for p in version_dir.iterdir()} == theirs
 
 
 def test_a_sharded_temp_folder_s_own_temp_files_are_the_kill_s_not_the_user_s(tmp_path, monkeypatch):

@@ -35,6 +35,7 @@ from ampkit.trainer.run_life import loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
     copy_sharded,
+    is_our_link,
     is_sharded_checkpoint,
     periodic_checkpoints,
     point_last_at,
@@ -142,6 +143,7 @@ class ModelCheckpoint(KeyedByMonitor):
         self._current: float | None = None  # the monitored value of the best-k file saved last (current_score)
         self._inherited: list[str] = []  # a branch's ranked files, in the run it branched from: copied at its save
         self._inherit_from: Path | None = None  # that run's checkpoints directory
+        self._branched_newest = ""  # a branch's best_model_path without a monitor until it saves: its origin's file
         self._named_last: str | None = None  # the CHECKPOINT_NAME_LAST file it wrote last (None: last.pt alone)
 
     @property
@@ -155,7 +157,12 @@ class ModelCheckpoint(KeyedByMonitor):
         (floats, not tensors); restored by a resume, empty before a fit or without a ``monitor``."""
         if self._directory is None:
             return {}
-        return {str(self._directory / name): value for name, value in self.best_k.items()}
+        return {self._path_of(name): value for name, value in self.best_k.items()}
+
+    def _path_of(self, name: str) -> str:
+        """The path of ranked file ``name``: in the checkpoints directory, or, for a branch's inherited file not yet
+        copied in (before its first save), in the run it branched from, where it is."""
+        return str((self._inherit_from if name in self._inherited else self._directory) / name)
 
     @property
     def best_model_path(self) -> str:
@@ -165,7 +172,9 @@ class ModelCheckpoint(KeyedByMonitor):
         if self.monitor is not None:
             return next(iter(self.best_k_models), "")
         newest = self._newest or next((cb._newest for cb in self._peers if cb._newest), None)
-        return str(self._directory / newest) if self._directory is not None and newest is not None else ""
+        if newest is None:  # none saved yet: a branch names the file its checkpoint named, in the run it came from
+            return self._branched_newest if self._directory is not None else ""
+        return str(self._directory / newest) if self._directory is not None else ""
 
     @property
     def best_model_score(self) -> float | None:
@@ -184,7 +193,7 @@ class ModelCheckpoint(KeyedByMonitor):
         """Lightning's ``kth_best_model_path``: once the top k is full (with ``save_top_k=-1``, once one is ranked), the
         path of the checkpoint a better value pushes out next, the oldest of the worst; ``""`` before."""
         kth = self._kth()
-        return "" if kth is None or self._directory is None else str(self._directory / kth)
+        return "" if kth is None or self._directory is None else self._path_of(kth)
 
     @property
     def kth_value(self) -> float | None:
@@ -255,11 +264,17 @@ class ModelCheckpoint(KeyedByMonitor):
         self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
-        self._inherited, self._inherit_from = [], None
+        self._inherited, self._inherit_from, self._branched_newest = [], None, ""
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files are in the old one
             # The branch ranks on from the restored ranking (ties too), so it keeps what the run it branched from
             # would have; its first save copies the ranked files in (on every rank alike: all save shards).
             self._inherited, self._inherit_from = list(self.best_k), trainer.fit_start.branched_from.parent
+            # best_model_path until it saves, as Lightning's restored one (the straight run's has one too): the file its
+            # checkpoint named newest, else (gone, or a checkpoint outside a run) the checkpoint it branched from
+            named = self._inherit_from / self._newest if self._newest is not None else None
+            self._branched_newest = str(
+                named if named is not None and named.exists() else trainer.fit_start.branched_from
+            )
             self.kept, self._newest, self._protected_before = [], None, []
             self._named_last = None  # that run's named last file is in its own directory: not this one's to remove
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
@@ -285,7 +300,7 @@ class ModelCheckpoint(KeyedByMonitor):
                     best.unlink(missing_ok=True)
                 elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True):
                     if is_sharded_checkpoint(best) and not best.is_symlink():  # a whole model and optimizer state
-                        remove_sharded(best, self._protected)
+                        remove_sharded(best)
         if trainer.sharded:
             self._copy_resumed_moment(trainer, directory)
             self._relink_best(directory)
@@ -322,13 +337,13 @@ class ModelCheckpoint(KeyedByMonitor):
 
     def _relink_best(self, directory: Path) -> None:
         """Point a sharded run's ``best`` link at the restored ranking's best again, where a kill left it naming a
-        directory written after ``last`` (removed above)."""
+        directory written after ``last`` (removed above). A dangling link to no checkpoint's name, the user's, stays."""
         link = directory / "best"
         if not link.is_symlink() or link.exists():
             return
         if self.best_k and is_sharded_checkpoint(directory / next(iter(self.best_k))):
             point_last_at(directory / next(iter(self.best_k)), "best")
-        else:
+        elif is_our_link(link):
             link.unlink(missing_ok=True)
 
     def _periodic_settings(self) -> str:
@@ -378,7 +393,7 @@ class ModelCheckpoint(KeyedByMonitor):
         with _deleting(directory, f"out of the save_top_k={self.save_top_k} best"):
             for name in (old.name for old in deletable([directory / name for name in dropped], self._protected)):
                 if trainer.sharded:
-                    remove_sharded(directory / name, self._protected)
+                    remove_sharded(directory / name)
                 else:
                     (directory / name).unlink(missing_ok=True)
 

@@ -25,9 +25,10 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 * A file with no write permission (``chmod a-w``, by mode: root too) is the user's to keep: nothing deletes or
   replaces it (``checkpoint_io.write_protected``). Pruning passes over it, uncounted, with one warning.
 * Before a ``fit()`` (finished or not) writes anything, the temp files that a killed save left under ``run_dir``
-  are removed: only ampkit's own temp names (:func:`remove_stale_temps`), only in version directories an ampkit
-  run made (another tool's ``version_N`` beside them is left alone) and no live run holds, and a sharded
-  checkpoint set aside by an interrupted save is put back, never deleted.
+  are removed: only ampkit's own temp names (:func:`remove_stale_temps`) holding what ampkit writes there, only in
+  version directories an ampkit run made (another tool's ``version_N`` beside them is left alone) and no live run
+  holds, and a sharded checkpoint set aside by an interrupted save is put back, never deleted. A save never stops
+  for the user's thing at its temp name: it goes through a free one (``temp_names``).
 * A run holds ``version_N/run.lock`` (its pid, host and process start) while it writes there; a second run into
   that directory is refused, naming both. A lock whose process is gone on this host (a SIGKILLed run, or a pid
   now another process's after a reboot or a container restart), or one of this process whose removal the disk
@@ -49,6 +50,7 @@ import secrets
 import shutil
 import socket
 import stat
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -56,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
@@ -69,6 +72,7 @@ from ampkit.trainer.checkpoint_io import (
     PROTECTED,
     CheckpointError,
     DamagedCheckpointError,
+    _umask,
     deletable,
     foreign_file,
     from_storage,
@@ -89,6 +93,7 @@ from ampkit.trainer.sharded_checkpoint import (
     checkpoint_damage,
     checkpoint_kind,
     discard_checkpoint_dir,
+    is_our_link,
     is_sharded_checkpoint,
     missing_sharded_parts,
     newest_whole_beside,
@@ -96,6 +101,7 @@ from ampkit.trainer.sharded_checkpoint import (
     training_order,
     users_own_at,
 )
+from ampkit.trainer.temp_names import RANDOM_PART, temp_name_of
 from ampkit.wording import shown
 
 LOCK_FILE = "run.lock"
@@ -832,16 +838,16 @@ def _without_header(text: str) -> str:
 # ----------------------------------------------------------------------------------------- stale temp files
 # Every name ampkit writes before renaming into place, so a kill can leave it behind: save_atomic's and
 # copy_atomic's ``.<name>.<random>.tmp`` files, the sharded writer's ``.<name>.tmp`` directory, ``.<name>.old``
-# (a checkpoint set aside while its name is saved again) and ``.last.tmp`` link; in the version directory the
-# config's and lineage's temp files and the lock's (``.run.lock.<pid>.tmp``, ``.run.lock.stale.<pid>``).
+# (a checkpoint set aside while its name is saved again) and ``.last.tmp`` link (each of those three, where something
+# of the user's stood at that name, at ``.<name>.<random>.tmp`` or ``.old``: temp_names); in the version directory
+# the config's and lineage's temp files and the lock's (``.run.lock.<pid>.<random>.tmp``,
+# ``.run.lock.stale.<pid>.<random>``; an older ampkit's without the random part). A name alone proves nothing: each
+# is removed only where what it holds is what ampkit writes there.
 _CHECKPOINT = rf"(?:{PERIODIC_STEM}|{BEST_K_STEM}|last|best)"
-_RANDOM = r"\.[a-z0-9_]{8}\.tmp"  # mkstemp's random part: eight of these characters, never another length
+_RANDOM = rf"{RANDOM_PART}\.tmp"  # mkstemp's random part: eight of these characters, never another length
 _TEMP_FILE = re.compile(rf"^\.{_CHECKPOINT}\.pt{_RANDOM}$")
-_TEMP_SHARDED = re.compile(rf"^\.{_CHECKPOINT}\.tmp$")
-_TEMP_LINK = re.compile(r"^\.(?:last|best)\.tmp$")  # point_last_at's: the only links ampkit makes there
-_SET_ASIDE = re.compile(rf"^\.({_CHECKPOINT})\.old$")
-_TEMP_TEXT = re.compile(rf"^\.(?:config(?:\.resumed_at_step_\d+(?:\.\d+)?)?|lineage)\.yaml{_RANDOM}$")
-_LOCK_TEMP = re.compile(rf"^\.{re.escape(LOCK_FILE)}\.(?:(\d+)\.tmp|stale\.(\d+))$")
+_TEMP_TEXT = re.compile(rf"^\.((?:config(?:\.resumed_at_step_\d+(?:\.\d+)?)?|lineage)\.yaml){_RANDOM}$")
+_LOCK_TEMP = re.compile(rf"^\.{re.escape(LOCK_FILE)}\.(?:(\d+)(?:{RANDOM_PART})?\.tmp|stale\.(\d+)(?:{RANDOM_PART})?)$")
 
 
 def remove_stale_temps(version_dir: Path) -> list[Path]:
@@ -851,7 +857,8 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
     for path in sorted(version_dir.iterdir()):
         lock_temp = _LOCK_TEMP.match(path.name)
         stale_lock = lock_temp is not None and not _pid_alive(int(lock_temp.group(1) or lock_temp.group(2)))
-        if path.is_file() and not path.is_symlink() and (stale_lock or _TEMP_TEXT.match(path.name)):
+        text = _TEMP_TEXT.match(path.name)
+        if stale_lock and _holds_a_lock(path) or text is not None and _holds_our_record(path, text.group(1)):
             path.unlink(missing_ok=True)
             removed.append(path)
     checkpoints = version_dir / "checkpoints"
@@ -859,13 +866,14 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
         return removed
     for path in sorted(checkpoints.iterdir()):
         name, link = path.name, path.is_symlink()
-        if _TEMP_FILE.match(name) and not link and _half_written(path) or _TEMP_LINK.match(name) and _our_link(path):
-            path.unlink(missing_ok=True)
-        elif _TEMP_SHARDED.match(name) and path.is_dir() and not link:
+        temp, link_temp = temp_name_of(name, "tmp", _CHECKPOINT), link and temp_name_of(name, "tmp", "last|best")
+        if _TEMP_FILE.match(name) and not link and _half_written(path) or link_temp and is_our_link(path):
+            path.unlink(missing_ok=True)  # a link only as point_last_at makes one: ``.last.tmp``, to a checkpoint
+        elif temp and path.is_dir() and not link:
             # a file the user put in it stays, back under its name
-            if not discard_checkpoint_dir(path, checkpoints / name[1 : -len(".tmp")]):
+            if not discard_checkpoint_dir(path, checkpoints / temp.group(1)):
                 continue
-        elif (aside := _SET_ASIDE.match(name)) and path.is_dir() and not link:
+        elif (aside := temp_name_of(name, "old", _CHECKPOINT)) and path.is_dir() and not link:
             original = checkpoints / aside.group(1)
             if not original.exists():  # killed between setting it aside and renaming its replacement in: the only copy
                 os.replace(path, original)
@@ -890,13 +898,50 @@ def _half_written(path: Path) -> bool:
     return start == b"PK\x03\x04"[: len(start)]
 
 
-def _our_link(path: Path) -> bool:
-    """Whether ``path`` is a link as :func:`point_last_at` makes one: to a checkpoint's name beside it."""
+def _opened_text(path: Path) -> str | None:
+    """The text of regular file ``path`` (not through a link), or None where it is no such file or unreadable."""
+    if path.is_symlink() or not path.is_file():
+        return None
     try:
-        target = os.readlink(path)
-    except OSError:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _holds_a_lock(path: Path) -> bool:
+    """Whether ``path`` holds what :class:`RunLock` writes at its temp and stale names: nothing yet (killed before the
+    write), or a lock's record. A file of the user's that only has such a name stays."""
+    text = _opened_text(path)
+    if text is None or not text:
+        return text == ""
+    try:
+        record = json.loads(text)
+    except ValueError:
         return False
-    return re.fullmatch(_CHECKPOINT, target) is not None
+    return isinstance(record, dict) and {"pid", "host", "since", "lock"} <= record.keys()
+
+
+# What a version directory's records hold at their top level: a lineage the keys lineage() writes; a config the
+# sections and keys every resolved ampkit config has (a branch's with its header line first).
+_LINEAGE_KEYS = frozenset({"branched_from", "origin_version_dir", "global_step", "epoch"})
+
+
+def _holds_our_record(path: Path, record: str) -> bool:
+    """Whether temp file ``path`` of record ``record`` (``lineage.yaml``, ``config.yaml``...) holds what a killed
+    :func:`write_text_atomic` of it leaves: nothing yet, or that record as ampkit writes it (a lineage's keys, a
+    config of ampkit's sections). A file of the user's that only has such a name stays."""
+    text = _opened_text(path)
+    if text is None or not text:
+        return text == ""
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError:  # cut short mid-write (a power cut), or the user's: kept either way
+        return False
+    if not isinstance(loaded, dict):
+        return False
+    if record == LINEAGE_FILE:
+        return loaded.keys() == _LINEAGE_KEYS
+    return AMPKIT_KEYS <= loaded.keys() and "trainer_class" in loaded
 
 
 def prune_periodic(checkpoints: Path, keep_last: int, warned: set[Path] | None = None) -> None:
@@ -1060,8 +1105,12 @@ class RunLock:
             mine["started"] = started
         if self.tidying:
             mine["tidying"] = True
-        tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(mine))
+        # A free name (mkstemp's): a file of the user's at any name stays as it is, never written over
+        fd, made = tempfile.mkstemp(prefix=f".{LOCK_FILE}.{os.getpid()}.", suffix=".tmp", dir=self.path.parent)
+        tmp = Path(made)
+        with os.fdopen(fd, "w") as file:
+            os.fchmod(file.fileno(), 0o666 & ~_umask())
+            file.write(json.dumps(mine))
         deadline, take_overs = time.monotonic() + TIDYING_WAIT_S, 0
         try:
             while True:
@@ -1095,10 +1144,14 @@ class RunLock:
 
     def _take_over(self, stale: dict[str, Any]) -> None:
         """Remove a stale lock, unless another run replaced it meanwhile (then it is put back)."""
-        aside = self.path.with_name(f".{LOCK_FILE}.stale.{os.getpid()}")
+        # a free name (replacing the empty file mkstemp makes there): a file of the user's at any name stays
+        fd, made = tempfile.mkstemp(prefix=f".{LOCK_FILE}.stale.{os.getpid()}.", dir=self.path.parent)
+        os.close(fd)
+        aside = Path(made)
         try:
             os.replace(self.path, aside)
         except FileNotFoundError:
+            aside.unlink(missing_ok=True)
             return
         try:
             if json.loads(aside.read_text()) != stale:  # a live run's fresh lock: restore it

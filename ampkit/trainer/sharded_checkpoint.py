@@ -27,7 +27,9 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ampkit.trainer.checkpoint_io import (
+    BEST_K_STEM,
     FOREIGN,
+    PERIODIC_STEM,
     CheckpointError,
     _fsync_dir,
     copy_atomic,
@@ -47,6 +49,7 @@ from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gat
 from ampkit.trainer.optimizers import state_initialising_steps
 from ampkit.trainer.param_groups import TRAINABLE_KEY, trainable_record
 from ampkit.trainer.state_misfit import StateMisfit, check_optimizer_fits, model_misfit, shapes_of
+from ampkit.trainer.temp_names import free_dir, free_link, step_around
 from ampkit.trainer.waiting import barrier
 
 # torch.distributed.checkpoint is imported where it is used: loading it costs every run start-up time.
@@ -124,34 +127,40 @@ def _shard_reader(path: Path) -> Any:
     return reader
 
 
-def _make_room(path: Path, tmp: Path) -> None:
-    """Refuse a write-protected checkpoint at ``path``, or a file or folder of the user's; make ``tmp`` afresh for the
-    save's files."""
+def _make_room(path: Path) -> Path:
+    """Refuse a write-protected checkpoint at ``path``, or a file or folder of the user's; make the empty folder the
+    save writes its files into (``.<name>.tmp``, or a free name where the user's thing stands there) and return it."""
     refuse_protected(path)
     refuse_users_own(path)
-    clear_temp_dir(tmp)  # left by a crash during an earlier save
-    tmp.mkdir(parents=True)
+    tmp = free_temp_dir_name(path, "tmp")
+    tmp.mkdir(parents=True, exist_ok=True)  # a free name's folder is made already, empty
+    return tmp
 
 
-def clear_temp_dir(tmp: Path) -> None:
-    """Delete what a crashed save or removal left at temp folder name ``tmp`` (its checkpoint's own files only), so a
-    save can make it afresh; a ``FileExistsError`` naming it where anything else is there (a file, a link or a folder
-    of the user's, or a file of theirs in ampkit's folder), which stays as it is."""
-    if not tmp.exists() and not tmp.is_symlink():
-        return
-    if tmp.is_dir() and not tmp.is_symlink():
-        _, kept = _delete_own_files(tmp, passed_over=FileNotFoundError)  # failing to delete one of them: its error
+def free_temp_dir_name(beside: Path, suffix: str) -> Path:
+    """The temp name checkpoint folder ``beside`` (or its save's files) moves through: ``.<name>.<suffix>`` once what a
+    killed save or removal left there is gone, or, where something of the user's stands there (kept, named once), a new
+    empty ``.<name>.<random>.<suffix>`` folder, which a rename of a folder replaces."""
+    usual = beside.with_name(f".{beside.name}.{suffix}")
+    what = _users_thing_at(usual)
+    if what is None:
+        return usual
+    step_around(beside, suffix, what)
+    return free_dir(beside, suffix)
+
+
+def _users_thing_at(usual: Path) -> str | None:
+    """Delete what a crashed save or removal left at temp name ``usual`` (its checkpoint's own files only); what is
+    left there, the user's (a file, a link, a folder, or their file in ampkit's folder), described, or None where the
+    name is free now."""
+    if not usual.exists() and not usual.is_symlink():
+        return None
+    if usual.is_dir() and not usual.is_symlink():
+        _, kept = _delete_own_files(usual, passed_over=FileNotFoundError)  # failing to delete one of them: its error
         if not kept:
-            return
-        what = f"a folder holding {', '.join(kept)}, which ampkit did not write"
-    else:
-        what = "a link" if tmp.is_symlink() else "a file"
-    raise FileExistsError(
-        errno.EEXIST,
-        f"'{tmp}' is {what}: ampkit saves a checkpoint through that temp name and leaves what is yours as it is; "
-        "move it out of the checkpoints folder",
-        str(tmp),
-    )
+            return None
+        return f"a folder holding {', '.join(kept)}, which ampkit did not write"
+    return "a link" if usual.is_symlink() else "a file"
 
 
 def save_sharded(
@@ -170,10 +179,9 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
 
     is_zero = env.rank == 0
-    tmp = path.with_name(f".{path.name}.tmp")
     barrier(f"the save of {path.name}")  # every rank has come: rank zero names one that died or hangs before it
-    # Rank zero's refusal, on every rank alike; also the barrier: no rank writes before tmp exists.
-    decided_by_rank_zero(functools.partial(_make_room, path, tmp), env)
+    # Rank zero's refusal, or the folder it made, on every rank alike; also the barrier: no rank writes before that
+    tmp = decided_by_rank_zero(functools.partial(_make_room, path), env)
     try:
         state = _tensor_state(module, optimizers)
         dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp), no_dist=not dist.is_initialized())
@@ -220,7 +228,7 @@ def _move_into_place(tmp: Path, path: Path) -> None:
     if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
         if aside.is_dir() and not aside.is_symlink():  # an older one a kill left: what the user put there moves on
             _carry_users_files(aside, path)
-        clear_temp_dir(aside)  # anything else of the user's there is refused, named, before the old one moves
+        aside = free_temp_dir_name(path, "old")  # anything else of the user's there stays, stepped around
         os.replace(path, aside)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
@@ -243,8 +251,7 @@ def copy_sharded(source: Path, alias: Path) -> Path:
     """Make checkpoint directory ``alias`` a copy of ``source`` (rank zero), renamed into place once whole, as a save's
     directory is: one moment's state saved once under two names (a periodic and a best-k one), each whole on its own
     when retention deletes the other. Copies, not links, as :func:`copy_atomic` makes a file's aliases."""
-    tmp = alias.with_name(f".{alias.name}.tmp")
-    _make_room(alias, tmp)
+    tmp = _make_room(alias)
     try:
         for file in sorted(source.iterdir()):  # DCP's .metadata and shard files, and trainer.pt: no subdirectories
             copy_atomic(file, tmp / file.name)
@@ -417,20 +424,13 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
     once the link is in its place, as ``last.pt`` is replaced by the newer one."""
     link = path.parent / alias
     refuse_users_own(link)
-    tmp = path.parent / f".{alias}.tmp"
-    if tmp.is_symlink():  # the link a kill left
-        tmp.unlink()
-    elif tmp.exists():  # ampkit makes only a link there: a file or folder of the user's stays, refused
-        raise FileExistsError(
-            errno.EEXIST, f"'{tmp}' is yours: ampkit makes its {alias} link through that temp name; move it", str(tmp)
-        )
-    os.symlink(path.name, tmp)
+    tmp = _temp_link(path.name, link)
     aside = link.with_name(f".{alias}.old")
     copied = link.is_dir() and not link.is_symlink()
     try:
         if copied:  # a symlink cannot be renamed over a directory
             refuse_protected(link)
-            clear_temp_dir(aside)  # an older copy a kill left; the user's own there is refused, not deleted
+            aside = free_temp_dir_name(link, "old")  # an older copy a kill left goes; the user's own stays
             os.replace(link, aside)
         os.replace(tmp, link)
     except BaseException:  # a full disk, an I/O error: no temp link is left, and a copy set aside is put back
@@ -443,6 +443,29 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
     _fsync_dir(path.parent)
     if copied:  # what the user put in the copy stays, named
         discard_checkpoint_dir(aside, aside)
+
+
+def _temp_link(target: str, link: Path) -> Path:
+    """A new symlink to ``target``, to be renamed over ``link``: at ``.<link>.tmp`` where that is free or holds a link
+    a kill left (:func:`is_our_link`), else (the user's thing there kept, named once) at a free name."""
+    usual = link.with_name(f".{link.name}.tmp")
+    if is_our_link(usual):
+        usual.unlink()
+    if not usual.exists() and not usual.is_symlink():
+        with suppress(FileExistsError):  # made there meanwhile: a free name, as for the user's
+            os.symlink(target, usual)
+            return usual
+    step_around(link, "tmp", "a link of yours" if usual.is_symlink() else "a folder" if usual.is_dir() else "a file")
+    return free_link(target, link, "tmp")
+
+
+def is_our_link(path: Path) -> bool:
+    """Whether ``path`` is a link as :func:`point_last_at` makes one: to a checkpoint's name beside it."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return False
+    return re.fullmatch(rf"{PERIODIC_STEM}|{BEST_K_STEM}|{LAST}|best", target) is not None
 
 
 def periodic_checkpoints(directory: Path, sharded: bool) -> list[Path]:
@@ -479,30 +502,24 @@ def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int
         return -1, -1
 
 
-def remove_sharded(path: Path, warned: set[Path] | None = None) -> None:
-    """Delete checkpoint directory ``path`` at once: renamed to its temp name first (``.step-00000006.tmp``, which the
-    next fit's tidy removes), so a kill midway leaves no half of it under a checkpoint's name, where it would be
-    neither resumable nor ever pruned. Only the checkpoint's own files go: a file the user put in it (an evaluation's
-    results) is kept, back under ``path`` (a folder of the user's now, which no save replaces), and named in a
-    warning. Where something of the user's stands at the temp name, ``path`` stays whole, and a warning (once per
-    ``warned``, which records it) names what is in the way."""
+def remove_sharded(path: Path) -> None:
+    """Delete checkpoint directory ``path`` at once: renamed to its temp name first (``.step-00000006.tmp``, or a free
+    one where something of the user's stands there, kept and named once; the next fit's tidy removes either), so a kill
+    midway leaves no half of it under a checkpoint's name, where it would be neither resumable nor ever pruned. Only the
+    checkpoint's own files go: a file the user put in it (an evaluation's results) is kept, back under ``path`` (a
+    folder of the user's now, which no save replaces), and named in a warning."""
     if path.is_symlink():  # the user's link to a checkpoint elsewhere (deletable() keeps it, named): nothing goes
         return
-    doomed = path.with_name(f".{path.name}.tmp")
-    if doomed.is_dir() and not doomed.is_symlink():  # an earlier removal cut short: a file of the user's there stays
-        discard_checkpoint_dir(doomed, doomed)
-    if doomed.exists() or doomed.is_symlink():
-        warned = set() if warned is None else warned
-        if doomed not in warned:
-            warned.add(doomed)
-            rank_zero_warn(
-                f"'{path}' is not deleted: '{doomed}', the name ampkit deletes a checkpoint folder through, holds "
-                "something of yours, which it keeps; move that out of the checkpoints folder to let pruning go on"
-            )
+    if not path.is_dir():  # gone already
         return
+    doomed = None
     try:
+        doomed = free_temp_dir_name(path, "tmp")  # an earlier removal cut short there goes; the user's thing stays
         os.replace(path, doomed)
     except OSError:  # gone already, or its folder is read-only: nothing is deleted, and it stays whole
+        if doomed is not None and doomed.name != f".{path.name}.tmp":
+            with suppress(OSError):
+                doomed.rmdir()  # the free name's empty folder
         return
     discard_checkpoint_dir(doomed, path)
 
@@ -511,13 +528,14 @@ def discard_checkpoint_dir(directory: Path, home: Path) -> bool:
     """Delete the checkpoint's own files in ``directory`` (a temp name a removal or a save gave it), and the directory
     once nothing else is left. What the user put there is kept: the directory goes back to ``home``, its checkpoint's
     name, where nothing is now (else it stays as it is), and a warning names the files, once: a folder that holds
-    nothing of ampkit's any more (told so before) is left without a word. Returns whether anything was removed."""
+    nothing of ampkit's (any more, told so before; or ever: the user's own at a temp name) stays where it is, without
+    a word. Returns whether anything was removed."""
     if directory.is_symlink():  # its files are the link target's, outside the checkpoints folder: never deleted
         return False
     removed, kept = _delete_own_files(directory, passed_over=OSError)
     if not kept:
         return removed
-    if not home.exists() and not home.is_symlink():
+    if removed and not home.exists() and not home.is_symlink():  # a folder that held no part of one is not ampkit's
         with suppress(OSError):
             os.replace(directory, home)
     if not removed and directory.exists():  # only the user's files, as a tidy before found and named them
@@ -576,7 +594,7 @@ def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = No
     last = (directory / LAST).resolve()
     for old in deletable(periodic_checkpoints(directory, sharded=True), warned)[:-keep_last]:
         if old.resolve() != last:
-            remove_sharded(old, warned)
+            remove_sharded(old)
 
 
 def load_sharded(

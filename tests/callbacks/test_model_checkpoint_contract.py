@@ -13,6 +13,7 @@ import torch
 from best_checkpoints import best_pt_step, best_steps
 from toy_trainers import ToyTrainer, toy_cfg
 
+import ampkit
 from ampkit import ConfigError
 from ampkit.callbacks import ModelCheckpoint
 from ampkit.callbacks import checkpoint as checkpoint_module
@@ -397,6 +398,44 @@ def test_without_a_monitor_best_model_path_names_the_newest_checkpoint_as_lightn
     ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[again]).fit(resume="last")
     assert again.best_model_path == str(directory / "step-00000007.pt")
     assert again.last_model_path == str(directory / "last.pt")
+
+
+class ReadsPathsAtTrainStart(ampkit.Callback):
+    """Records what the ModelCheckpoint it is given answers as training starts, before the run's first save."""
+
+    def __init__(self, checkpoint: ModelCheckpoint) -> None:
+        self.checkpoint, self.read = checkpoint, {}
+
+    def on_train_start(self, trainer) -> None:
+        self.read = {"best": self.checkpoint.best_model_path, "models": list(self.checkpoint.best_k_models)}
+
+
+@pytest.mark.parametrize("monitor", [None, "val/mse"])
+def test_a_branch_answers_best_model_path_from_its_start_as_the_straight_run_does(tmp_path, monitor):
+    """A branch (a resume from an older checkpoint, into a new version_N) without a monitor answered best_model_path
+    '' until its first save, where Lightning's restored path and the straight run answer a file; with a monitor it
+    named its inherited best files in its own folder before they were copied there. Each is a file that is there."""
+    settings = {**QUIET, "checkpoint.enabled": False, "trainer.max_steps": 7, "trainer.val_every_n_steps": 3}
+
+    def checkpoint() -> ModelCheckpoint:
+        return ModelCheckpoint(every_n_steps=3, every_n_epochs=0, keep_last=3, monitor=monitor)
+
+    first = checkpoint()
+    run = ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[first])
+    run.fit()
+    origin = run.version_dir / "checkpoints"
+    branch = checkpoint()
+    reader = ReadsPathsAtTrainStart(branch)
+    branched = ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[branch, reader])
+    branched.fit(resume=origin / "step-00000006.pt")
+    assert branched.version_dir != run.version_dir  # a branch
+    states = load_checkpoint(origin / "step-00000006.pt")["callbacks"]
+    ranked = next(state["best_k"] for key, state in states.items() if key.startswith("ModelCheckpoint"))
+    expected = next(iter(ranked)) if monitor else "step-00000006.pt"  # the straight run's answer at step 6
+    assert reader.read["best"] == str(origin / expected) and Path(reader.read["best"]).is_file()
+    assert reader.read["models"] == [str(origin / name) for name in ranked] and (ranked or not monitor)
+    here = branched.version_dir / "checkpoints"
+    assert branch.best_model_path == str(here / (expected if monitor else "step-00000007.pt"))  # its own, once saved
 
 
 def _disk_full_when_writing(name: str, monkeypatch) -> None:
