@@ -566,12 +566,24 @@ def test_a_huge_config_value_is_named_by_its_start_and_length_not_repeated_whole
     assert len(str(caught.value)) < 400
 
 
-@pytest.mark.parametrize("key", ["trainer.device", "precision.loss_scale", "trainer.limit_train_batches"])
+@pytest.mark.parametrize(
+    "key", ["trainer.device", "precision.loss_scale", "trainer.limit_train_batches", "distributed.strategy"]
+)
 def test_a_long_string_where_a_trainer_checks_the_key_is_named_by_its_start_and_length(tmp_path, key):
-    """The device's, the loss scale's and a union-typed key's refusals each repeated a 100 kB value whole."""
+    """The device's, the loss scale's, a union-typed key's and the strategy's refusals each repeated a 100 kB value
+    whole."""
     section, name = key.split(".")
     cfg = toy_cfg(tmp_path)
     cfg.setdefault(section, {})[name] = "x" * 100_000
     with pytest.raises(ConfigError, match=rf"config key '{key}': 'x{{79}}\.\.\. \(100002 characters\)") as caught:
         ToyTrainer(cfg)
+    assert len(str(caught.value)) < 400
+
+
+def test_a_long_malformed_interpolation_is_named_by_its_start_and_length(tmp_path):
+    """An unclosed ${ in front of a 100 kB value came back whole in the error."""
+    config = tmp_path / "long.yaml"
+    config.write_text(f"trainer_class: toy_trainers:ToyTrainer\nname: ${{{'x' * 100_000}\n")
+    with pytest.raises(ConfigError, match=r"'name': '\$\{x{77}\.\.\. \(100004 characters\) is no valid") as caught:
+        load_config(config)
     assert len(str(caught.value)) < 400

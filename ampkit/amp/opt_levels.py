@@ -130,7 +130,9 @@ def _parse_cast_model_type(value: Any) -> torch.dtype | None | Literal[False]:
         return value
     if isinstance(value, str) and value.lower().removeprefix("torch.") in _CAST_DTYPE_NAMES:
         return _CAST_DTYPE_NAMES[value.lower().removeprefix("torch.")]
-    raise ValueError(f"cast_model_type={value!r}: expected None, False, torch.float32, torch.float16 or torch.bfloat16")
+    raise ValueError(
+        f"cast_model_type={shown(value)}: expected None, False, torch.float32, torch.float16 or torch.bfloat16"
+    )
 
 
 def parse_keep_batchnorm_fp32(value: Any) -> bool | None:
@@ -141,13 +143,13 @@ def parse_keep_batchnorm_fp32(value: Any) -> bool | None:
         return False
     if value is None or value is True or value is False:
         return value
-    raise ValueError(f"keep_batchnorm_fp32={value!r}: expected True, False, the string 'True' or 'False', or None")
+    raise ValueError(f"keep_batchnorm_fp32={shown(value)}: expected True, False, the string 'True' or 'False', or None")
 
 
 def _parse_bool_or_none(value: Any, option: str) -> bool | None:
     if value is None or value is True or value is False:
         return value
-    raise ValueError(f"{option}={value!r}: expected True, False or None")
+    raise ValueError(f"{option}={shown(value)}: expected True, False or None")
 
 
 def resolve_opt_level(
@@ -181,13 +183,13 @@ def resolve_opt_level(
     """
     if opt_level not in OPT_LEVELS:
         meant = str(opt_level).strip().upper() if isinstance(opt_level, str) else None
-        hint = f" Did you mean {meant!r}? The O is a capital letter." if meant in OPT_LEVELS else ""
+        hint = f" Did you mean {shown(meant)}? The O is a capital letter." if meant in OPT_LEVELS else ""
         raise RuntimeError(
-            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'. "
+            f"Unexpected optimization level {shown(opt_level)}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'. "
             f"Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero.{hint}"
         )
     if not is_switch(enabled):
-        raise ValueError(f"enabled={enabled!r}: expected True or False")
+        raise ValueError(f"enabled={shown(enabled)}: expected True or False")
     enabled = bool(enabled)
     parsed_cast = _parse_cast_model_type(cast_model_type)
     low = parse_dtype(dtype) if dtype is not None else None
@@ -196,7 +198,7 @@ def resolve_opt_level(
             raise ValueError(f"cast_model_type={parsed_cast} conflicts with dtype={low}; give one of them")
         low = parsed_cast
     if opt_level in _BF16_LEVELS and low not in (None, torch.bfloat16):
-        raise ValueError(f"opt_level={opt_level!r} is a bfloat16 level; dtype={low} conflicts with it")
+        raise ValueError(f"opt_level={shown(opt_level)} is a bfloat16 level; dtype={low} conflicts with it")
     low = low or (torch.bfloat16 if opt_level in _BF16_LEVELS else torch.float16)
 
     table: dict[str, dict[str, Any]] = {
@@ -221,14 +223,15 @@ def resolve_opt_level(
             raise RuntimeError(
                 "O1 inserts casts around torch functions rather than casting the model weights, so with O1 "
                 "the weights stay float32; use opt_level='O2' or 'O3' to cast the model. "
-                f"cast_model_type was {cast_model_type!r}"
+                f"cast_model_type was {shown(cast_model_type)}"
             )
         props["cast_model_type"] = parsed_cast or None
     if patch_torch_functions is not None:
         value = _parse_bool_or_none(patch_torch_functions, "patch_torch_functions")
         if value and not o1:
             raise RuntimeError(
-                f"patch_torch_functions=True is only valid with opt_level='O1' or 'O4' (got opt_level={opt_level!r})"
+                f"patch_torch_functions=True is only valid with opt_level='O1' or 'O4' (got "
+                f"opt_level={shown(opt_level)})"
             )
         props["patch_torch_functions"] = value
     if keep_batchnorm_fp32 is not None:
@@ -236,7 +239,7 @@ def resolve_opt_level(
         if o1:
             raise RuntimeError(
                 "With opt_level O1, batchnorm runs in float32 automatically, so keep_batchnorm_fp32 should "
-                f"be None. keep_batchnorm_fp32 was {keep_batchnorm_fp32!r}"
+                f"be None. keep_batchnorm_fp32 was {shown(keep_batchnorm_fp32)}"
             )
         props["keep_batchnorm_fp32"] = value
     if master_weights is not None:
@@ -244,7 +247,7 @@ def resolve_opt_level(
         if o1:
             raise RuntimeError(
                 "master_weights makes no sense with opt_level O1: the model weights themselves stay float32. "
-                f"master_weights was {master_weights!r}"
+                f"master_weights was {shown(master_weights)}"
             )
         props["master_weights"] = value
     if loss_scale is not None:

@@ -704,8 +704,8 @@ class Trainer:
     @should_stop.setter
     def should_stop(self, value: Any) -> None:
         raise AttributeError(
-            f"{type(self).__name__}.should_stop = {value!r} would stop nothing: Lightning's trainer.should_stop is "
-            f"{LIGHTNING_NAMES['should_stop']}",
+            f"{type(self).__name__}.should_stop = {shown(value)} would stop nothing: Lightning's trainer.should_stop "
+            f"is {LIGHTNING_NAMES['should_stop']}",
             name="should_stop",
             obj=self,
         )
@@ -771,7 +771,7 @@ class Trainer:
         if isinstance(optimizer, str):
             if optimizer not in self.optimizers:
                 raise UserCodeError(
-                    f"{method}(optimizer={optimizer!r}): no optimizer has that name; configure_optimizers() made "
+                    f"{method}(optimizer={shown(optimizer)}): no optimizer has that name; configure_optimizers() made "
                     f"{list(self.optimizers)}"
                 )
             return self.optimizers[optimizer]
