@@ -85,7 +85,32 @@ def parse_dtype(value: Any, option: str = "dtype") -> torch.dtype:
         key = value.lower().removeprefix("torch.")
         if key in _DTYPE_NAMES:
             return _DTYPE_NAMES[key]
-    raise ValueError(f"{option}={shown(value)} is not a low-precision dtype; use float16 or bfloat16")
+    meant = dtype_meant(value)
+    raise ValueError(
+        f"{option}={shown(value)} is not a low-precision dtype; use float16 or bfloat16"
+        + (f" ({meant})" if meant else "")
+    )
+
+
+# Lightning's precision settings, which name a dtype and an opt level at once.
+_LIGHTNING_PRECISION = {"16-mixed": ("float16", "O1"), "bf16-mixed": ("bfloat16", "O4"),
+                        "16-true": ("float16", "O3"), "bf16-true": ("bfloat16", "O3")}  # fmt: skip
+
+
+def dtype_meant(value: Any) -> str | None:
+    """What a dtype name torch does not spell means, in words: one quoted twice, padded, written with a dash
+    (``bf-16``), or Lightning's ``16-mixed``, which is a dtype and an opt level here."""
+    if not isinstance(value, str):
+        return None
+    name = value.strip().strip("'\"").strip().lower().removeprefix("torch.")
+    if name in _LIGHTNING_PRECISION:
+        dtype, level = _LIGHTNING_PRECISION[name]
+        return f"Lightning's precision {shown(value)} is two settings here: dtype {dtype} and opt_level {level}"
+    squashed = name.replace("-", "").replace("_", "").replace(" ", "")
+    if squashed not in _DTYPE_NAMES:
+        return None
+    dtype = str(_DTYPE_NAMES[squashed]).removeprefix("torch.")
+    return f"{shown(value)} reads as {dtype}; write {dtype}"
 
 
 def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
@@ -143,7 +168,15 @@ def parse_keep_batchnorm_fp32(value: Any) -> bool | None:
         return False
     if value is None or value is True or value is False:
         return value
-    raise ValueError(f"keep_batchnorm_fp32={shown(value)}: expected True, False, the string 'True' or 'False', or None")
+    word = value.strip().capitalize() if isinstance(value, str) else None
+    meant = (  # Apex compares its two strings exactly
+        f" ({shown(value)} is the string {word!r} spelt otherwise: write {word}, or {str(word).lower()} in YAML)"
+        if word in ("True", "False")
+        else ""
+    )
+    raise ValueError(
+        f"keep_batchnorm_fp32={shown(value)}: expected True, False, the string 'True' or 'False', or None{meant}"
+    )
 
 
 def _parse_bool_or_none(value: Any, option: str) -> bool | None:
