@@ -677,7 +677,7 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
         ("~trainer.max_epochs=3", "leave out the override to keep trainer.max_epochs's default, or set it"),
         # a float key given an integer no float holds: OmegaConf's bare OverflowError, a traceback naming no key
         (f"lr={10**400}", "config key 'lr': an integer of 401 digits is out of range; expected a float, between -"),
-        (f"logging.peak_tflops=-{10**400}", "config key 'logging.peak_tflops': an integer of 401 digits"),
+        (f"logging.peak_tflops=-{10**400}", "config key 'logging.peak_tflops': a negative integer of 401 digits"),
         # LightningCLI's "--key value" without its dashes: the value after the space was not named
         (
             "trainer.max_steps 3",
