@@ -399,13 +399,15 @@ def _valid_text(key: str, text: str) -> bool:
         return False
 
 
-def look_alike(key: str, value: Any) -> str | None:
+def _look_alike(key: str, value: Any) -> str | None:
     """What an invalid ``value`` of ``key`` looks like it means, in words, or None where nothing is near: a value
     quoted twice ("'O2'"), one with spaces around it, an opt level YAML read as a number (``02`` is 2), another tool's
     spelling (Lightning's 16-mixed)."""
     if not isinstance(value, str):  # a str key holds a number YAML read as its text
         return None
     text, bare = value, value.strip()
+    if len(bare) > 80:  # a value to write out in full is a short one
+        return None
     if len(bare) > 2 and bare[0] == bare[-1] and bare[0] in "'\"" and _valid_text(key, bare[1:-1].strip()):
         return f"{shown(value)} holds its quote marks, as a value quoted twice does; write {bare[1:-1].strip()}"
     if key == "precision.opt_level" and bare.isdigit() and len(bare) <= 2 and int(bare) < 6:
@@ -449,7 +451,7 @@ def check_values(cfg: DictConfig) -> None:
     for key, (ok, valid) in VALUE_RULES.items():
         value = OmegaConf.select(cfg, key)
         if key not in out_of_range and not ok(value):
-            meant = look_alike(key, value)
+            meant = _look_alike(key, value)
             problems.append(
                 f"config key '{key}': {shown(value)} is invalid; expected {valid}" + (f" ({meant})" if meant else "")
             )
@@ -832,7 +834,7 @@ def is_config_instance(value: Any) -> bool:
 def build_config(schema_class: type, *sources: Any) -> DictConfig:
     """Merge ``sources`` (dicts/DictConfigs) onto the dataclass ``schema_class``; errors become ConfigError."""
     if not (isinstance(schema_class, type) and dataclasses.is_dataclass(schema_class)):
-        raise ConfigError(f"config_class must be a dataclass extending ampkit.Config, got {schema_class!r}")
+        raise ConfigError(f"config_class must be a dataclass extending ampkit.Config, got {shown(schema_class)}")
     schema = OmegaConf.structured(schema_class)
     sources = tuple(_max_time_in_seconds(source) for source in sources)
     wrong = _wrong_shape(schema, sources)  # also before merging: OmegaConf reads trainer.progress_bar=2 as true
@@ -923,7 +925,7 @@ def resolve_config_path(path: str | Path) -> Path:
     """``path`` if it is a file, else the built-in config of that name (``digits``)."""
     if not str(path).strip():  # Path("") is the working directory, which is no config
         builtin = ", ".join(builtin_configs()) or "none"
-        raise ConfigError(f"--config {str(path)!r} is empty; name a YAML file or a built-in config ({builtin})")
+        raise ConfigError(f"--config {shown(str(path))} is empty; name a YAML file or a built-in config ({builtin})")
     candidate = Path(os.path.expanduser(str(path)))
     if candidate.is_file():
         return candidate
@@ -1032,7 +1034,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
 
     trainer_class = import_object(str(target), search_from=path.parent)
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
-        raise ConfigError(f"trainer_class: '{target}' is {trainer_class!r}, not a subclass of ampkit.Trainer")
+        raise ConfigError(f"trainer_class: '{target}' is {shown(trainer_class)}, not a subclass of ampkit.Trainer")
     return trainer_class, build_config(trainer_class.config_class, raw, cli)
 
 
