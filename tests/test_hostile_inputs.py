@@ -775,3 +775,25 @@ def test_an_integer_no_float_holds_is_named_where_a_number_is_taken(call, named)
     with pytest.raises(ValueError) as caught:
         call()
     assert named in str(caught.value) and "an integer of 401 digits" in str(caught.value)
+
+
+def _larc(value):
+    from ampkit.compat.parallel.larc import LARC
+
+    return LARC(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), trust_coefficient=value)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda value: ampkit.callbacks.TensorBoardLogger(flush_secs=value),
+        lambda value: ampkit.ops.optimizers.FusedAdam([torch.zeros(1, requires_grad=True)], betas=value),
+        _larc,
+    ],
+    ids=["flush_secs", "betas", "LARC"],
+)
+def test_a_long_value_given_in_code_is_named_by_its_start_and_length(build):
+    """A 100 kB value given to a callback, a fused optimizer or the Apex layer came back whole in its error."""
+    with pytest.raises((ValueError, TypeError)) as caught:
+        build("x" * 100_000)
+    assert "... (100002 characters)" in str(caught.value) and len(str(caught.value)) < 400
