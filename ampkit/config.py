@@ -384,9 +384,41 @@ _FOREIGN_SPELLINGS = {
         "bf16-true": "Lightning's model in bfloat16: opt_level O3 with precision.dtype=bfloat16",
         "16-true": "Lightning's model in float16: opt_level O3",
         **dict.fromkeys(("32-true", "32", "fp32", "float32"), "float32: opt_level O0"),
-        **{f"o{n}": f"opt_level O{n}, with a capital letter O" for n in range(6)},  # a lowercase or padded spelling
+        "16": "Lightning's precision=16 (16-mixed), autocast in float16 with a dynamic loss scaler: opt_level O1",
+        "bf16": "Lightning's precision='bf16' (bf16-mixed), autocast in bfloat16: opt_level O4",
+        **{f"o{n}": f"opt_level O{n}, with a capital letter O" for n in range(6)},  # a lowercase spelling
     }
 }
+
+
+def _valid_text(key: str, text: str) -> bool:
+    """Whether ``text`` passes ``key``'s rule (False where the rule takes no string)."""
+    try:
+        return bool(VALUE_RULES[key][0](text))
+    except TypeError:
+        return False
+
+
+def _look_alike(key: str, value: Any) -> str | None:
+    """What an invalid ``value`` of ``key`` looks like it means, in words, or None where nothing is near: a value
+    quoted twice ("'O2'"), one with spaces around it, an opt level YAML read as a number (``02`` is 2), another tool's
+    spelling (Lightning's 16-mixed)."""
+    if not isinstance(value, str):  # a str key holds a number YAML read as its text
+        return None
+    text, bare = value, value.strip()
+    if len(bare) > 80:  # a value to write out in full is a short one
+        return None
+    if len(bare) > 2 and bare[0] == bare[-1] and bare[0] in "'\"" and _valid_text(key, bare[1:-1].strip()):
+        return f"{shown(value)} holds its quote marks, as a value quoted twice does; write {bare[1:-1].strip()}"
+    if key == "precision.opt_level" and bare.isdigit() and len(bare) <= 2 and int(bare) < 6:
+        level = f"O{int(bare)}"
+        if len(bare) == 1:  # YAML and the command line read 02, 2 and 0o2 as the number 2
+            return f"YAML reads 0{bare} and {bare} as the number {bare}: an opt level starts with the letter O: {level}"
+        return f"{shown(value)} starts with the number zero, not the letter O; write {level}"
+    if bare != text and _valid_text(key, bare):
+        return f"{shown(value)} has spaces around it; write {bare}"
+    same = _FOREIGN_SPELLINGS.get(key, {}).get(bare.lower())
+    return f"{shown(value)} is {same}" if same else None
 
 
 def _integers_out_of_range(cfg: DictConfig, prefix: str = "") -> dict[str, int]:
@@ -419,10 +451,9 @@ def check_values(cfg: DictConfig) -> None:
     for key, (ok, valid) in VALUE_RULES.items():
         value = OmegaConf.select(cfg, key)
         if key not in out_of_range and not ok(value):
-            same = _FOREIGN_SPELLINGS.get(key, {}).get(str(value).strip().lower())
+            meant = _look_alike(key, value)
             problems.append(
-                f"config key '{key}': {shown(value)} is invalid; expected {valid}"
-                + (f" ({shown(value)} is {same})" if same else "")
+                f"config key '{key}': {shown(value)} is invalid; expected {valid}" + (f" ({meant})" if meant else "")
             )
     if not problems and (problem := _top_k_without_monitor(cfg)) is not None:
         problems.append(problem)
@@ -649,7 +680,7 @@ def _reads_as_bool(value: Any) -> bool:
     if isinstance(value, int):
         return value in (0, 1)
     if isinstance(value, str):  # an interpolation is checked once resolved; "???" is filled by a later source
-        return "${" in value or value == MISSING or value.strip().lower() in _BOOL_WORDS | {"0", "1"}
+        return "${" in value or value == MISSING or value.lower() in _BOOL_WORDS | {"0", "1"}
     return False
 
 
@@ -701,9 +732,11 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
                     f"expected a float, between -{sys.float_info.max:.4g} and {sys.float_info.max:.4g}"
                 )
             if isinstance(child, BooleanNode) and not _reads_as_bool(value):
+                padded = isinstance(value, str) and _reads_as_bool(value.strip())  # OmegaConf refuses " true"
                 return ConfigError(
                     f"config key '{prefix}{key}': {shown(value)} is not a boolean; expected true or false "
                     "(also yes/no, on/off, 1/0)"
+                    + (f" ({shown(value)} has spaces around it; write {value.strip()})" if padded else "")
                 )
             length = _tuple_length(child)
             if length is not None and isinstance(value, list | tuple) and len(value) != length:
@@ -801,7 +834,7 @@ def is_config_instance(value: Any) -> bool:
 def build_config(schema_class: type, *sources: Any) -> DictConfig:
     """Merge ``sources`` (dicts/DictConfigs) onto the dataclass ``schema_class``; errors become ConfigError."""
     if not (isinstance(schema_class, type) and dataclasses.is_dataclass(schema_class)):
-        raise ConfigError(f"config_class must be a dataclass extending ampkit.Config, got {schema_class!r}")
+        raise ConfigError(f"config_class must be a dataclass extending ampkit.Config, got {shown(schema_class)}")
     schema = OmegaConf.structured(schema_class)
     sources = tuple(_max_time_in_seconds(source) for source in sources)
     wrong = _wrong_shape(schema, sources)  # also before merging: OmegaConf reads trainer.progress_bar=2 as true
@@ -892,7 +925,7 @@ def resolve_config_path(path: str | Path) -> Path:
     """``path`` if it is a file, else the built-in config of that name (``digits``)."""
     if not str(path).strip():  # Path("") is the working directory, which is no config
         builtin = ", ".join(builtin_configs()) or "none"
-        raise ConfigError(f"--config {str(path)!r} is empty; name a YAML file or a built-in config ({builtin})")
+        raise ConfigError(f"--config {shown(str(path))} is empty; name a YAML file or a built-in config ({builtin})")
     candidate = Path(os.path.expanduser(str(path)))
     if candidate.is_file():
         return candidate
@@ -1001,7 +1034,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
 
     trainer_class = import_object(str(target), search_from=path.parent)
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
-        raise ConfigError(f"trainer_class: '{target}' is {trainer_class!r}, not a subclass of ampkit.Trainer")
+        raise ConfigError(f"trainer_class: '{target}' is {shown(trainer_class)}, not a subclass of ampkit.Trainer")
     return trainer_class, build_config(trainer_class.config_class, raw, cli)
 
 

@@ -76,6 +76,6 @@ def interpolation_problem(message: str) -> str | None:
 def malformed_interpolation(value: Any) -> str:
     """What a value OmegaConf's interpolation grammar cannot read (``${name``) is, and the forms it takes."""
     return (
-        f"{value!r} is no valid interpolation (an unclosed or misspelt ${{...}}); write ${{key}} for another config "
-        "key, ${oc.env:VAR} for an environment variable, or \\${ for a '${' meant as text"
+        f"{shown_value(value)} is no valid interpolation (an unclosed or misspelt ${{...}}); write ${{key}} for "
+        "another config key, ${oc.env:VAR} for an environment variable, or \\${ for a '${' meant as text"
     )

@@ -26,10 +26,15 @@ def beyond_float(value: Any) -> bool:
 
 
 def integer_digits(value: int) -> str:
-    """``"an integer of 401 digits"``: how a message shows an integer whose digits would fill the screen."""
-    if abs(value).bit_length() < 14000:  # str() refuses over 4300 digits (sys.get_int_max_str_digits())
-        return f"an integer of {len(str(abs(value)))} digits"
-    return f"an integer of {math.floor(math.log10(abs(value))) + 1} digits"
+    """``"an integer of 401 digits"``, ``"a negative integer of 501 digits"``: how a message shows an integer whose
+    digits would fill the screen (str() refuses over 4300 digits, so they are counted from its bits)."""
+    magnitude = abs(value)
+    digits = max(1, int((magnitude.bit_length() - 1) * math.log10(2)) + 1)  # within one of the count
+    while magnitude >= 10**digits:
+        digits += 1
+    while digits > 1 and magnitude < 10 ** (digits - 1):
+        digits -= 1
+    return f"{'a negative' if value < 0 else 'an'} integer of {digits} digits"
 
 
 def shown(value: Any, limit: int = 80) -> str:

@@ -566,12 +566,67 @@ def test_a_huge_config_value_is_named_by_its_start_and_length_not_repeated_whole
     assert len(str(caught.value)) < 400
 
 
-@pytest.mark.parametrize("key", ["trainer.device", "precision.loss_scale", "trainer.limit_train_batches"])
+@pytest.mark.parametrize(
+    "key", ["trainer.device", "precision.loss_scale", "trainer.limit_train_batches", "distributed.strategy"]
+)
 def test_a_long_string_where_a_trainer_checks_the_key_is_named_by_its_start_and_length(tmp_path, key):
-    """The device's, the loss scale's and a union-typed key's refusals each repeated a 100 kB value whole."""
+    """The device's, the loss scale's, a union-typed key's and the strategy's refusals each repeated a 100 kB value
+    whole."""
     section, name = key.split(".")
     cfg = toy_cfg(tmp_path)
     cfg.setdefault(section, {})[name] = "x" * 100_000
     with pytest.raises(ConfigError, match=rf"config key '{key}': 'x{{79}}\.\.\. \(100002 characters\)") as caught:
         ToyTrainer(cfg)
     assert len(str(caught.value)) < 400
+
+
+def test_a_long_malformed_interpolation_is_named_by_its_start_and_length(tmp_path):
+    """An unclosed ${ in front of a 100 kB value came back whole in the error."""
+    config = tmp_path / "long.yaml"
+    config.write_text(f"trainer_class: toy_trainers:ToyTrainer\nname: ${{{'x' * 100_000}\n")
+    with pytest.raises(ConfigError, match=r"'name': '\$\{x{77}\.\.\. \(100004 characters\) is no valid") as caught:
+        load_config(config)
+    assert len(str(caught.value)) < 400
+
+
+def test_an_opt_level_written_02_which_yaml_reads_as_the_number_2_is_named_so(tmp_path):
+    """YAML reads 02 (a zero, not the letter O) as the number 2, and the error named '2' as an unknown level."""
+    config = tmp_path / "zero.yaml"
+    config.write_text(
+        f"trainer_class: toy_trainers:ToyTrainer\nrun_dir: {tmp_path / 'run'}\nprecision:\n  opt_level: 02\n"
+    )
+    trainer_class, cfg = load_config(config)
+    with pytest.raises(
+        ConfigError, match=r"YAML reads 02 and 2 as the number 2: an opt level starts with the letter O: O2"
+    ):
+        trainer_class(cfg)
+
+
+@pytest.mark.parametrize(
+    ("precision", "said"),
+    [
+        ({"opt_level": "02"}, "'02' starts with the number zero, not the letter O; write O2"),
+        ({"opt_level": "'O2'"}, "\"'O2'\" holds its quote marks, as a value quoted twice does; write O2"),
+        ({"opt_level": " O2 "}, "' O2 ' has spaces around it; write O2"),
+        ({"opt_level": "16"}, "'16' is Lightning's precision=16 (16-mixed), autocast in float16"),
+        ({"opt_level": "O1", "dtype": "bf-16"}, "'bf-16' reads as bfloat16; write bfloat16"),
+        ({"opt_level": "O1", "dtype": "16-mixed"}, "precision '16-mixed' is two settings here: dtype float16 and opt"),
+        ({"opt_level": "O2", "cast_model_outputs": "float-16"}, "'float-16' reads as float16; write float16"),
+        ({"opt_level": "O1", "skip_nonfinite": "true "}, "'true ' has spaces around it; write true"),
+        ({"opt_level": "O2", "keep_batchnorm_fp32": "true"}, "'true' is the string 'True' spelt otherwise: write True"),
+    ],
+    ids=["02", "quoted twice", "padded", "lightning 16", "bf-16", "16-mixed dtype", "float-16", "padded bool", "true"],
+)
+def test_a_precision_value_that_looks_like_a_valid_one_is_refused_naming_both(tmp_path, precision, said):
+    """Each was refused naming only the value (or, for a padded boolean, in OmegaConf's words), leaving the user to
+    spot a zero for an O, a second pair of quotes, a space or a dash."""
+    cfg = {"trainer_class": "toy_trainers:ToyTrainer", "run_dir": str(tmp_path), "precision": precision}
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        ToyTrainer(cfg)
+
+
+def test_a_padded_or_quoted_choice_of_any_key_is_named_with_the_choice_meant():
+    with pytest.raises(ConfigError, match=re.escape("(' host' has spaces around it; write host)")):
+        check_values(build_config(Config, {"trainer_class": "x:y", "trainer": {"skip_verdict": " host"}}))
+    with pytest.raises(ConfigError, match=re.escape("('\"nccl\"' holds its quote marks, as a value quoted twice")):
+        check_values(build_config(Config, {"trainer_class": "x:y", "distributed": {"backend": '"nccl"'}}))

@@ -295,3 +295,22 @@ def test_a_count_of_one_is_worded_in_the_singular(tmp_path):
     cfg = toy_cfg(tmp_path, **{"checkpoint.monitor": "val/absent", "trainer.num_sanity_val_steps": 1})
     with pytest.raises(ConfigError, match=r"\(checked before training on 1 batch, trainer.num_sanity_val_steps=1"):
         ToyTrainer(cfg).fit()
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (10**400, "an integer of 401 digits"),
+        (-(10**500), "a negative integer of 501 digits"),
+        (10**5000 - 1, "an integer of 5000 digits"),
+        (-(10**5000), "a negative integer of 5001 digits"),
+    ],
+    ids=["401", "-501", "5000", "-5001"],
+)
+def test_a_huge_integer_is_named_by_its_sign_and_exact_digit_count(value, said):
+    """-10**500 was 'an integer of 501 digits', its sign dropped, and 10**5000 - 1 (5000 nines, counted by a float
+    logarithm) was said to have 5001."""
+    from ampkit.wording import integer_digits, shown
+
+    assert integer_digits(value) == said
+    assert shown(value) == said

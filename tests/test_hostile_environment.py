@@ -61,6 +61,11 @@ class FusedToy(ToyTrainer):
             r"environment variable RANK=1 is set but WORLD_SIZE is not: a rank > 0 needs a world \(torchrun sets",
         ),
         ({"AMPKIT_OPS": "kernels"}, r"AMPKIT_OPS='kernels' is not valid; use one of auto, reference, kernel"),
+        (  # a 100 kB value was repeated whole
+            {"WORLD_SIZE": "x" * 100_000, "AMPKIT_OPS": "k" * 100_000},
+            r"WORLD_SIZE='x{79}\.\.\. \(100002 characters\) is not an integer >= 1 .*; AMPKIT_OPS='k{79}\.\.\. "
+            r"\(100002 characters\) is not valid",
+        ),
         (
             {"AMPKIT_FUSED_BACKEND": "apex"},
             r"AMPKIT_FUSED_BACKEND: invalid fused backend 'apex'; expected one of auto, torch, ampkit",

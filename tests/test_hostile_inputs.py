@@ -677,7 +677,7 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
         ("~trainer.max_epochs=3", "leave out the override to keep trainer.max_epochs's default, or set it"),
         # a float key given an integer no float holds: OmegaConf's bare OverflowError, a traceback naming no key
         (f"lr={10**400}", "config key 'lr': an integer of 401 digits is out of range; expected a float, between -"),
-        (f"logging.peak_tflops=-{10**400}", "config key 'logging.peak_tflops': an integer of 401 digits"),
+        (f"logging.peak_tflops=-{10**400}", "config key 'logging.peak_tflops': a negative integer of 401 digits"),
         # LightningCLI's "--key value" without its dashes: the value after the space was not named
         (
             "trainer.max_steps 3",
@@ -775,3 +775,25 @@ def test_an_integer_no_float_holds_is_named_where_a_number_is_taken(call, named)
     with pytest.raises(ValueError) as caught:
         call()
     assert named in str(caught.value) and "an integer of 401 digits" in str(caught.value)
+
+
+def _larc(value):
+    from ampkit.compat.parallel.larc import LARC
+
+    return LARC(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), trust_coefficient=value)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda value: ampkit.callbacks.TensorBoardLogger(flush_secs=value),
+        lambda value: ampkit.ops.optimizers.FusedAdam([torch.zeros(1, requires_grad=True)], betas=value),
+        _larc,
+    ],
+    ids=["flush_secs", "betas", "LARC"],
+)
+def test_a_long_value_given_in_code_is_named_by_its_start_and_length(build):
+    """A 100 kB value given to a callback, a fused optimizer or the Apex layer came back whole in its error."""
+    with pytest.raises((ValueError, TypeError)) as caught:
+        build("x" * 100_000)
+    assert "... (100002 characters)" in str(caught.value) and len(str(caught.value)) < 400

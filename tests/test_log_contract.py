@@ -463,6 +463,33 @@ def test_an_option_that_is_no_switch_or_step_is_refused_naming_it(tmp_path, opti
         _fit(tmp_path, type("Logs", (LogsWithOptions,), {"options": options}))
 
 
+class LogsTag(LogsWithOptions):
+    tag: ClassVar[str] = "train/acc"
+
+    def training_step(self, batch):
+        self.log(self.tag, 0.25, **self.options)
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize(
+    ("tag", "named"),
+    [("train/acc\n", r"log(tag='train/acc\n')"), ("train/\tacc", r"log(tag='train/\tacc')"),
+     ("val/\x1b[2J", r"log(tag='val/\x1b[2J')"), ("train/" + "a" * 5000 + "\n", "... (5010 characters)")],
+)  # fmt: skip
+def test_a_tag_holding_a_newline_tab_or_control_character_is_refused_at_the_log_call_naming_it(tmp_path, tag, named):
+    """A monitor holding one is refused when it is built; log() wrote such a tag to TensorBoard and the console, where
+    no monitor can name it and a newline splits the console's line."""
+    with pytest.raises(UserCodeError, match=re.escape(named) + ".*no newline, tab or control character"):
+        _fit(tmp_path, type("Logs", (LogsTag,), {"tag": tag}))
+
+
+def test_a_long_tag_is_named_by_its_start_and_length_in_log_s_errors(tmp_path):
+    tag = "train/" + "a" * 10_000
+    with pytest.raises(UserCodeError, match=r"\.\.\. \(10008 characters\), on_step=2\): expected True") as caught:
+        _fit(tmp_path, type("Logs", (LogsTag,), {"tag": tag, "options": {"on_step": 2}}))
+    assert len(str(caught.value)) < 400
+
+
 def test_none_for_on_step_and_on_epoch_is_the_hook_s_default_as_in_lightning(tmp_path):
     """A port passing Lightning's None ("the hook's default") got 'writes nothing': both were falsy."""
     trainer = _fit(tmp_path, type("Logs", (LogsWithOptions,), {"options": {"on_step": None, "on_epoch": None}}),

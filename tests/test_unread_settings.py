@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
+import ampkit
 from ampkit.config import ConfigError, load_config
 from ampkit.trainer.unread_settings import unread_settings
 
@@ -74,6 +75,17 @@ def test_an_override_merged_onto_a_loaded_config_is_a_later_source():
     assert _unread(trainer_class(merged)) == [O0_WHY + "precision.dtype=bfloat16, precision.init_scale=1024.0"]
     merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["trainer.max_steps=5"]))
     assert _unread(trainer_class(merged)) == []
+
+
+@pytest.mark.parametrize("base", [{}, {"trainer": {"max_steps": 5}}, ampkit.Config], ids=["empty", "dict", "schema"])
+def test_a_loaded_config_merged_over_a_base_keeps_its_file_and_command_line_apart(base):
+    """OmegaConf.merge(base, cfg), the loaded config laid over a user's defaults, kept the base's metadata only: the
+    sources were lost, and gan.yaml's keys for its own O1 were named as if written for the command line's O0."""
+    trainer_class, cfg = load_config(GAN, ["precision.opt_level=O0"])
+    base = OmegaConf.structured(base) if isinstance(base, type) else base
+    assert _unread(trainer_class(OmegaConf.merge(base, cfg))) == []
+    merged = OmegaConf.merge(base, cfg, {"precision": {"init_scale": 1024.0}})
+    assert _unread(trainer_class(merged)) == [O0_WHY + "precision.init_scale=1024.0"]
 
 
 def test_a_file_that_sets_o0_itself_has_its_precision_keys_named(tmp_path):

@@ -359,7 +359,7 @@ class EmptyBatch(ToyTrainer):
         ("HugeIntMetric", "returned metric 'mse': an integer of 401 digits is beyond a float's range (+-1.8e308)"),
         ("HugeIntLogged", "log('train/count'): an integer of 401 digits is beyond a float's range (+-1.8e308)"),
         ("LongMetricName", f"returned metric '{'m' * 79}... (100002 characters) as a str; each metric is a number"),
-        ("HugeNegativeBatchSize", "log('train/count', batch_size=an integer of 5001 digits): "),
+        ("HugeNegativeBatchSize", "log('train/count', batch_size=a negative integer of 5001 digits): "),
         ("LossIdList", "backward(loss_id=[1]): a loss id is a name or an integer, not a list"),
         ("LossIdTensor", "backward(loss_id=tensor(0)): a loss id is a name or an integer, not a Tensor"),
         ("LongLossIds", "the loss of loss_id an integer of 5001 digits has shape (2,); expected a scalar"),

@@ -22,6 +22,7 @@ from torch import nn
 
 from ampkit.amp.opt_levels import parse_dtype, parse_keep_batchnorm_fp32
 from ampkit.ops._switches import checked_switch
+from ampkit.wording import shown
 
 __all__ = [
     "BoundaryCasts",
@@ -61,7 +62,7 @@ def autocast_for(
 def _floating_dtype(value: Any, option: str) -> torch.dtype:
     """``value`` if it is a floating-point torch dtype; else a ValueError naming ``option``."""
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"{option}={value!r}: expected a floating-point torch dtype")
+        raise ValueError(f"{option}={shown(value)}: expected a floating-point torch dtype")
     return value
 
 

@@ -85,7 +85,32 @@ def parse_dtype(value: Any, option: str = "dtype") -> torch.dtype:
         key = value.lower().removeprefix("torch.")
         if key in _DTYPE_NAMES:
             return _DTYPE_NAMES[key]
-    raise ValueError(f"{option}={shown(value)} is not a low-precision dtype; use float16 or bfloat16")
+    meant = dtype_meant(value)
+    raise ValueError(
+        f"{option}={shown(value)} is not a low-precision dtype; use float16 or bfloat16"
+        + (f" ({meant})" if meant else "")
+    )
+
+
+# Lightning's precision settings, which name a dtype and an opt level at once.
+_LIGHTNING_PRECISION = {"16-mixed": ("float16", "O1"), "bf16-mixed": ("bfloat16", "O4"),
+                        "16-true": ("float16", "O3"), "bf16-true": ("bfloat16", "O3")}  # fmt: skip
+
+
+def dtype_meant(value: Any) -> str | None:
+    """What a dtype name torch does not spell means, in words: one quoted twice, padded, written with a dash
+    (``bf-16``), or Lightning's ``16-mixed``, which is a dtype and an opt level here."""
+    if not isinstance(value, str):
+        return None
+    name = value.strip().strip("'\"").strip().lower().removeprefix("torch.")
+    if name in _LIGHTNING_PRECISION:
+        dtype, level = _LIGHTNING_PRECISION[name]
+        return f"Lightning's precision {shown(value)} is two settings here: dtype {dtype} and opt_level {level}"
+    squashed = name.replace("-", "").replace("_", "").replace(" ", "")
+    if squashed not in _DTYPE_NAMES:
+        return None
+    dtype = str(_DTYPE_NAMES[squashed]).removeprefix("torch.")
+    return f"{shown(value)} reads as {dtype}; write {dtype}"
 
 
 def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
@@ -130,7 +155,9 @@ def _parse_cast_model_type(value: Any) -> torch.dtype | None | Literal[False]:
         return value
     if isinstance(value, str) and value.lower().removeprefix("torch.") in _CAST_DTYPE_NAMES:
         return _CAST_DTYPE_NAMES[value.lower().removeprefix("torch.")]
-    raise ValueError(f"cast_model_type={value!r}: expected None, False, torch.float32, torch.float16 or torch.bfloat16")
+    raise ValueError(
+        f"cast_model_type={shown(value)}: expected None, False, torch.float32, torch.float16 or torch.bfloat16"
+    )
 
 
 def parse_keep_batchnorm_fp32(value: Any) -> bool | None:
@@ -141,13 +168,21 @@ def parse_keep_batchnorm_fp32(value: Any) -> bool | None:
         return False
     if value is None or value is True or value is False:
         return value
-    raise ValueError(f"keep_batchnorm_fp32={value!r}: expected True, False, the string 'True' or 'False', or None")
+    word = value.strip().capitalize() if isinstance(value, str) else None
+    meant = (  # Apex compares its two strings exactly
+        f" ({shown(value)} is the string {word!r} spelt otherwise: write {word}, or {str(word).lower()} in YAML)"
+        if word in ("True", "False")
+        else ""
+    )
+    raise ValueError(
+        f"keep_batchnorm_fp32={shown(value)}: expected True, False, the string 'True' or 'False', or None{meant}"
+    )
 
 
 def _parse_bool_or_none(value: Any, option: str) -> bool | None:
     if value is None or value is True or value is False:
         return value
-    raise ValueError(f"{option}={value!r}: expected True, False or None")
+    raise ValueError(f"{option}={shown(value)}: expected True, False or None")
 
 
 def resolve_opt_level(
@@ -181,13 +216,13 @@ def resolve_opt_level(
     """
     if opt_level not in OPT_LEVELS:
         meant = str(opt_level).strip().upper() if isinstance(opt_level, str) else None
-        hint = f" Did you mean {meant!r}? The O is a capital letter." if meant in OPT_LEVELS else ""
+        hint = f" Did you mean {shown(meant)}? The O is a capital letter." if meant in OPT_LEVELS else ""
         raise RuntimeError(
-            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'. "
+            f"Unexpected optimization level {shown(opt_level)}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'. "
             f"Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero.{hint}"
         )
     if not is_switch(enabled):
-        raise ValueError(f"enabled={enabled!r}: expected True or False")
+        raise ValueError(f"enabled={shown(enabled)}: expected True or False")
     enabled = bool(enabled)
     parsed_cast = _parse_cast_model_type(cast_model_type)
     low = parse_dtype(dtype) if dtype is not None else None
@@ -196,7 +231,7 @@ def resolve_opt_level(
             raise ValueError(f"cast_model_type={parsed_cast} conflicts with dtype={low}; give one of them")
         low = parsed_cast
     if opt_level in _BF16_LEVELS and low not in (None, torch.bfloat16):
-        raise ValueError(f"opt_level={opt_level!r} is a bfloat16 level; dtype={low} conflicts with it")
+        raise ValueError(f"opt_level={shown(opt_level)} is a bfloat16 level; dtype={low} conflicts with it")
     low = low or (torch.bfloat16 if opt_level in _BF16_LEVELS else torch.float16)
 
     table: dict[str, dict[str, Any]] = {
@@ -221,14 +256,15 @@ def resolve_opt_level(
             raise RuntimeError(
                 "O1 inserts casts around torch functions rather than casting the model weights, so with O1 "
                 "the weights stay float32; use opt_level='O2' or 'O3' to cast the model. "
-                f"cast_model_type was {cast_model_type!r}"
+                f"cast_model_type was {shown(cast_model_type)}"
             )
         props["cast_model_type"] = parsed_cast or None
     if patch_torch_functions is not None:
         value = _parse_bool_or_none(patch_torch_functions, "patch_torch_functions")
         if value and not o1:
             raise RuntimeError(
-                f"patch_torch_functions=True is only valid with opt_level='O1' or 'O4' (got opt_level={opt_level!r})"
+                f"patch_torch_functions=True is only valid with opt_level='O1' or 'O4' (got "
+                f"opt_level={shown(opt_level)})"
             )
         props["patch_torch_functions"] = value
     if keep_batchnorm_fp32 is not None:
@@ -236,7 +272,7 @@ def resolve_opt_level(
         if o1:
             raise RuntimeError(
                 "With opt_level O1, batchnorm runs in float32 automatically, so keep_batchnorm_fp32 should "
-                f"be None. keep_batchnorm_fp32 was {keep_batchnorm_fp32!r}"
+                f"be None. keep_batchnorm_fp32 was {shown(keep_batchnorm_fp32)}"
             )
         props["keep_batchnorm_fp32"] = value
     if master_weights is not None:
@@ -244,7 +280,7 @@ def resolve_opt_level(
         if o1:
             raise RuntimeError(
                 "master_weights makes no sense with opt_level O1: the model weights themselves stay float32. "
-                f"master_weights was {master_weights!r}"
+                f"master_weights was {shown(master_weights)}"
             )
         props["master_weights"] = value
     if loss_scale is not None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ampkit.amp.opt_levels import FLOAT32_SCALES, parse_loss_scale
-from ampkit.wording import integer_digits
+from ampkit.wording import integer_digits, shown
 
 __all__ = ["LossScaler"]
 
@@ -38,17 +38,17 @@ def positive_option(value: Any, option: str, *, above_one: bool = False, below_o
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{option}={value!r}: expected a number")
+        raise ValueError(f"{option}={shown(value)}: expected a number")
     try:
         value = float(value)
     except OverflowError:  # an int of more digits than a float holds: float() names neither it nor the option
         raise ValueError(f"{option}: {integer_digits(int(value))}: expected a finite number > 0") from None
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{option}={value!r}: expected a finite number > 0")
+        raise ValueError(f"{option}={shown(value)}: expected a finite number > 0")
     if above_one and value <= 1.0:
-        raise ValueError(f"{option}={value!r}: expected a number > 1")
+        raise ValueError(f"{option}={shown(value)}: expected a number > 1")
     if below_one and value >= 1.0:
-        raise ValueError(f"{option}={value!r}: expected a number in (0, 1)")
+        raise ValueError(f"{option}={shown(value)}: expected a number in (0, 1)")
     return value
 
 
@@ -59,7 +59,7 @@ def float32_scale(value: Any, option: str) -> float:
     scale = positive_option(value, option)
     if not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:
         raise ValueError(
-            f"{option}={value!r}: a loss scale must lie in float32's range of scales, 2**-126 to "
+            f"{option}={shown(value)}: a loss scale must lie in float32's range of scales, 2**-126 to "
             f"{FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or 0"
         )
     return scale
@@ -73,7 +73,7 @@ def interval_option(value: Any, option: str, *, zero_means: str | None = None) -
     lowest = 0 if zero_means else 1
     if isinstance(value, bool) or not whole or value < lowest:
         zero = f" ({lowest}: {zero_means})" if zero_means else ""
-        raise ValueError(f"{option}={value!r}: expected an integer >= {lowest}{zero}")
+        raise ValueError(f"{option}={shown(value)}: expected an integer >= {lowest}{zero}")
     return int(value)
 
 
@@ -89,8 +89,8 @@ def loss_count_option(value: Any, option: str, *, optional: bool = False, zero_m
         allowed = "None or an integer" if optional else "an integer"
         zero = f"; {lowest}: {zero_means}" if zero_means else ""
         raise ValueError(
-            f"{option}={value!r}: expected {allowed} in [{lowest}, {MAX_NUM_LOSSES}] (each loss gets its scaler up "
-            f"front{zero})"
+            f"{option}={shown(value)}: expected {allowed} in [{lowest}, {MAX_NUM_LOSSES}] (each loss gets its scaler "
+            f"up front{zero})"
         )
     return int(value)
 
@@ -106,7 +106,7 @@ def overflow_verdict(found_inf: Any, name: str = "found_inf") -> bool:
             raise ValueError(f"{name} must be a one-element tensor, got shape {tuple(found_inf.shape)}")
         return bool(found_inf.item())
     if not isinstance(found_inf, bool | numbers.Number | np.generic):
-        raise TypeError(f"{name} must be a bool or a one-element tensor, got {found_inf!r}")
+        raise TypeError(f"{name} must be a bool or a one-element tensor, got {shown(found_inf)}")
     return bool(found_inf)
 
 
@@ -162,8 +162,8 @@ class LossScaler:
         self.max_scale = None if max_scale is None else positive_option(max_scale, names["max_scale"])
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ValueError(
-                f"{names['min_scale']}={min_scale!r} is larger than {names['max_scale']}={max_scale!r}: the floor of "
-                "the dynamic scale must not exceed its cap"
+                f"{names['min_scale']}={shown(min_scale)} is larger than {names['max_scale']}={shown(max_scale)}: the "
+                "floor of the dynamic scale must not exceed its cap"
             )
         if self.dynamic:
             start = positive_option(init_scale, names["init_scale"])
@@ -174,7 +174,7 @@ class LossScaler:
             if not FLOAT32_SCALES[0] <= start <= FLOAT32_SCALES[1]:  # as a static scale (torch refuses it too)
                 which, given = ("min_scale", min_scale) if start == self.min_scale else ("init_scale", init_scale)
                 raise ValueError(
-                    f"{names[which]}={given!r}: the first dynamic scale must lie in float32's range of "
+                    f"{names[which]}={shown(given)}: the first dynamic scale must lie in float32's range of "
                     f"scales, 2**-126 to {FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss or its unscaling factor is "
                     "inf, and every step is skipped until the scale backs off into it"
                 )

@@ -441,9 +441,9 @@ class ModelCheckpoint(KeyedByMonitor):
         plain = [name for name in protected if not _is_plain_name(name)]
         if ranked or plain:
             raise CheckpointError(
-                f"the checkpoint's {self.state_key} state names {(ranked or plain)[0]!r} among its checkpoint files, "
-                "which is no file name ampkit gives one (best-<step>.pt) and which its pruning would delete: the "
-                "checkpoint was edited or is damaged; resume an earlier one"
+                f"the checkpoint's {self.state_key} state names {shown((ranked or plain)[0])} among its checkpoint "
+                "files, which is no file name ampkit gives one (best-<step>.pt) and which its pruning would delete: "
+                "the checkpoint was edited or is damaged; resume an earlier one"
             )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -461,8 +461,8 @@ class ModelCheckpoint(KeyedByMonitor):
         current = state.get("current_score")  # as newest
         if current is not None and (isinstance(current, bool) or not isinstance(current, numbers.Real)):
             raise CheckpointError(
-                f"the checkpoint's {self.state_key} state holds current_score {current!r}, which is no number: the "
-                "checkpoint was edited or is damaged; resume an earlier one"
+                f"the checkpoint's {self.state_key} state holds current_score {shown(current)}, which is no number: "
+                "the checkpoint was edited or is damaged; resume an earlier one"
             )
         # Only once all of it is checked: a refused state leaves the ranking this callback had.
         self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)

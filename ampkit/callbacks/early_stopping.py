@@ -80,7 +80,7 @@ class EarlyStopping(KeyedByMonitor):
         ):  # every value would stop the run at its first validation
             raise ValueError(
                 f"stopping_threshold {stopping_threshold} is not better than divergence_threshold "
-                f"{divergence_threshold} in mode {mode!r}: every value would stop the run"
+                f"{divergence_threshold} in mode {shown(mode)}: every value would stop the run"
             )
         self.check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
         self.stopping_threshold = stopping_threshold

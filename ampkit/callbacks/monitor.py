@@ -32,7 +32,7 @@ class Monitor:
             raise ValueError(f"monitor {shown(metric)} is invalid; expected {METRIC_NAME_RULE}")
         check_mode(mode)
         if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real) or not 0 <= min_delta < math.inf:
-            raise ValueError(f"min_delta {min_delta!r} is invalid; expected a finite number >= 0")
+            raise ValueError(f"min_delta {shown(min_delta)} is invalid; expected a finite number >= 0")
         self.metric = metric
         self.shown = shown(metric)  # how messages name it: a pasted 100 kB name by its start and length
         self.per_epoch = is_training_metric(metric)

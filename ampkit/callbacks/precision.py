@@ -18,6 +18,7 @@ from ampkit.amp import (
     model_device,
     parse_dtype,
 )
+from ampkit.amp.opt_levels import dtype_meant
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
@@ -53,9 +54,10 @@ def output_dtype(cast_model_outputs: torch.dtype | str | None) -> torch.dtype | 
     try:  # an int dtype or a number, taken as given, failed in the first forward's cast, naming neither
         return parse_dtype(name, "cast_model_outputs")
     except ValueError:
+        meant = dtype_meant(cast_model_outputs)
         raise ValueError(
             f"cast_model_outputs={shown(cast_model_outputs)} is no dtype of a model's outputs; use float32, float16 or "
-            "bfloat16 (null: float32)"
+            "bfloat16 (null: float32)" + (f" ({meant})" if meant else "")
         ) from None
 
 

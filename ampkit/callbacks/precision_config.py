@@ -16,6 +16,7 @@ from ampkit.callbacks.precision import MixedPrecision, output_dtype
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.fp8 import fsdp_float8_all_gather
+from ampkit.wording import shown
 
 NO_LOSS_SCALE = "none"
 
@@ -110,7 +111,7 @@ def mixed_precision_callbacks(precision: DictConfig, sharded: bool = False) -> l
         if not (unscaled or skip_nonfinite):
             raise ValueError(
                 "skip_nonfinite=False needs loss_scale: none (a loss scaler skips every step it overflows); "
-                f"loss_scale is {props.loss_scale!r}"
+                f"loss_scale is {shown(props.loss_scale)}"
             )
         casting = MixedPrecision(props, cast_modules=list(p.cast_modules), cast_model_outputs=p.cast_model_outputs)
         if unscaled and not props.master_weights:
@@ -142,7 +143,7 @@ def fp8_problems(cfg: DictConfig) -> list[str]:
     problems: dict[str, str] = {}
     if props.cast_model_type not in (None, torch.float32) and not props.master_weights:
         problems["precision.opt_level"] = (
-            f"{cfg.precision.opt_level!r} casts the weights without float32 master weights: float8 training keeps "
+            f"{shown(cfg.precision.opt_level)} casts the weights without float32 master weights: float8 training keeps "
             "high-precision weights (use O1/O2 or O4/O5, or master_weights: true)"
         )
     if f.backend == "torchao" and not torchao_available():

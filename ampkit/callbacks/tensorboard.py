@@ -28,7 +28,7 @@ from ampkit.trainer.checkpoint_io import from_storage
 from ampkit.trainer.distributed import decided_by_rank_zero
 from ampkit.trainer.logger import Logger, check_image
 from ampkit.trainer.run_life import RunDirectoryError, created_here
-from ampkit.wording import beyond_float, integer_digits
+from ampkit.wording import beyond_float, shown
 
 
 @contextmanager
@@ -215,12 +215,11 @@ class TensorBoardLogger(Callback):
 
     def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0, log_momentum: bool = False) -> None:
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, numbers.Real) or not flush_secs >= 0:
-            raise ValueError(f"TensorBoardLogger: flush_secs must be >= 0, got {flush_secs!r}")
+            raise ValueError(f"TensorBoardLogger: flush_secs must be >= 0, got {shown(flush_secs)}")
         if beyond_float(flush_secs) or not math.isfinite(flush_secs):  # written only before validation and at the end
-            shown = integer_digits(flush_secs) if beyond_float(flush_secs) else repr(flush_secs)
             raise ValueError(
-                f"TensorBoardLogger: flush_secs={shown} would hold every training scalar until validation or "
-                "the end of the run; give a finite number of seconds >= 0 (0: write at every log step)"
+                f"TensorBoardLogger: flush_secs={shown(flush_secs)} would hold every training scalar until validation "
+                "or the end of the run; give a finite number of seconds >= 0 (0: write at every log step)"
             )
         self.log_every_n_steps = interval_option(log_every_n_steps, "TensorBoardLogger: log_every_n_steps")
         self.flush_secs = flush_secs

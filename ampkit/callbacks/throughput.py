@@ -206,7 +206,7 @@ class Throughput(Callback):
         self.peak = None if peak_tflops is None else positive_option(peak_tflops, "Throughput: peak_tflops")
         if not callable(clock):
             raise TypeError(
-                f"Throughput: clock must be a function returning seconds (time.perf_counter), got {clock!r}"
+                f"Throughput: clock must be a function returning seconds (time.perf_counter), got {shown(clock)}"
             )
         self.clock = clock
         self._tokens_per_sample: int | None = None

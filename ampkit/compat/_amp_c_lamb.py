@@ -29,6 +29,7 @@ from ampkit.ops._layout import is_dense
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.host_values import host_vectors
 from ampkit.ops.optimizers._kernels import op
+from ampkit.wording import shown
 
 TensorLists = Sequence[Sequence[Tensor]]
 
@@ -97,7 +98,7 @@ def check_step(op_name: str, step: int | float, bias_correction: int) -> None:
     """A bias-corrected step counts from 1: at 0 the correction ``1 - beta ** 0`` divides by zero (NaN params)."""
     if bias_correction and float(step) < 1:
         raise RuntimeError(
-            f"{op_name}: step={step!r} with bias_correction; the first step is 1 (increment it before the call)"
+            f"{op_name}: step={shown(step)} with bias_correction; the first step is 1 (increment it before the call)"
         )
 
 
@@ -250,7 +251,7 @@ def multi_tensor_lamb(
     )  # fmt: skip
     check_step("multi_tensor_lamb", step, bias_correction)
     if mode not in (0, 1):
-        raise RuntimeError(f"multi_tensor_lamb: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+        raise RuntimeError(f"multi_tensor_lamb: mode={shown(mode)}; expected 0 (L2) or 1 (decoupled, AdamW)")
     if not params:
         return
     if norm_of_own_grads:
@@ -310,7 +311,7 @@ def multi_tensor_lamb_mp(
         use_nvlamb=use_nvlamb or False,
     )  # fmt: skip
     if mode not in (0, 1):
-        raise RuntimeError(f"multi_tensor_lamb_mp: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+        raise RuntimeError(f"multi_tensor_lamb_mp: mode={shown(mode)}; expected 0 (L2) or 1 (decoupled, AdamW)")
     grads, params, exp_avgs, exp_avg_sqs = lists[:4]
     if not params:
         return

@@ -18,6 +18,7 @@ import numpy as np
 from torch import Tensor
 
 from ampkit.ops._errors import ArgumentTypeError
+from ampkit.wording import shown
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -45,7 +46,8 @@ def check_number(owner: str, name: str, value: Any, kind: str = "float") -> None
     accepts, expected = _CHECKS[kind]
     if not accepts(value):
         raise ArgumentTypeError(
-            f"{owner}: {name} must be {expected}, as Apex's binding took it; got {value!r} (a {type(value).__name__})"
+            f"{owner}: {name} must be {expected}, as Apex's binding took it; got {shown(value)} (a "
+            f"{type(value).__name__})"
         )
 
 

@@ -35,6 +35,7 @@ from ampkit.ops.host_values import host_numbers
 from ampkit.ops.optimizers._base import ScalerTensors, _skip_flag, decay_weights_
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers.sgd import sgd_step
+from ampkit.wording import shown
 
 __all__ = [
     "multi_tensor_adagrad",
@@ -151,7 +152,7 @@ def multi_tensor_axpby(
     Integer tensors are computed in float64 and rounded, as in :func:`multi_tensor_scale`."""
     x, y, out = check_lists("multi_tensor_axpby", tensor_lists, (3,))
     if arg_to_check not in (-1, 0, 1):
-        raise RuntimeError(f"multi_tensor_axpby: arg_to_check={arg_to_check!r}; expected -1, 0 or 1")
+        raise RuntimeError(f"multi_tensor_axpby: arg_to_check={shown(arg_to_check)}; expected -1, 0 or 1")
 
     def float_kernel() -> None:
         # Apex pairs any x/y dtypes; ampkit's kernel wants x[i] and y[i] alike. The math is float32 either way,
@@ -241,7 +242,7 @@ def multi_tensor_adam(
     (bias_correction,) = switch_args("multi_tensor_adam", bias_correction=bias_correction)
     check_step("multi_tensor_adam", step, bias_correction)
     if mode not in (0, 1):
-        raise RuntimeError(f"multi_tensor_adam: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+        raise RuntimeError(f"multi_tensor_adam: mode={shown(mode)}; expected 0 (L2) or 1 (decoupled, AdamW)")
     if not params:
         return
     op("adam_step", params[0].device)(
@@ -280,7 +281,7 @@ def _adam_capturable(
 ) -> None:
     (bias_correction,) = switch_args(op_name, bias_correction=bias_correction)
     if mode not in (0, 1):
-        raise RuntimeError(f"{op_name}: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+        raise RuntimeError(f"{op_name}: mode={shown(mode)}; expected 0 (L2) or 1 (decoupled, AdamW)")
     for name, value in (("lr", lr), ("step", step), ("inv_scale", inv_scale), ("noop_flag", noop_flag)):
         tensor_only = name in ("inv_scale", "noop_flag")  # read on the device, never on the host
         if (isinstance(value, Tensor) and value.numel() != 1) or (tensor_only and not isinstance(value, Tensor)):
@@ -371,7 +372,7 @@ def multi_tensor_adagrad(
     (``p -= lr * (g / (sqrt(h) + eps) + wd * p)``)."""
     grads, params, sums = check_lists("multi_tensor_adagrad", tensor_lists, (3,))
     if mode not in (0, 1):
-        raise RuntimeError(f"multi_tensor_adagrad: mode={mode!r}; expected 0 (L2) or 1 (decoupled weight decay)")
+        raise RuntimeError(f"multi_tensor_adagrad: mode={shown(mode)}; expected 0 (L2) or 1 (decoupled weight decay)")
     if not params:
         return
     if mode == 1 and weight_decay != 0:  # the update does not read p, so decaying first is the same
@@ -409,9 +410,9 @@ def multi_tensor_novograd(
     )
     check_step("multi_tensor_novograd", step, bias_correction)
     if norm_type not in (0, 2):
-        raise RuntimeError(f"multi_tensor_novograd: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs)")
+        raise RuntimeError(f"multi_tensor_novograd: norm_type={shown(norm_type)}; expected 2 (L2) or 0 (max abs)")
     if moment_mode not in (0, 1):
-        raise RuntimeError(f"multi_tensor_novograd: moment_mode={moment_mode!r}; expected 0 or 1")
+        raise RuntimeError(f"multi_tensor_novograd: moment_mode={shown(moment_mode)}; expected 0 or 1")
     if not isinstance(grad_norms, Tensor) or grad_norms.numel() != len(params) or not grad_norms.is_floating_point():
         got = f"{grad_norms.dtype} of shape {list(grad_norms.shape)}" if isinstance(grad_norms, Tensor) else grad_norms
         raise ValueError(
@@ -550,7 +551,7 @@ def update_scale_hysteresis(
 
 def __getattr__(name: str) -> object:
     raise missing_name(
-        f"ampkit's amp_C has no {name!r}; it provides {', '.join(__all__)}",
+        f"ampkit's amp_C has no {shown(name)}; it provides {', '.join(__all__)}",
         "amp_C",
         name,
     )

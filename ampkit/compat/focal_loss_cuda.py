@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ampkit.ops.optimizers._base import check_hyper
+from ampkit.wording import shown
 
 __all__ = ["backward", "forward"]
 
@@ -33,7 +34,7 @@ def _check(cls_output: Tensor, targets: Tensor, num_positives_sum: Tensor, num_r
             f"{list(targets.shape)} plus a class dimension"
         )
     if isinstance(num_real_classes, bool) or not isinstance(num_real_classes, int):  # Apex's binding took an int
-        raise TypeError(f"focal_loss_cuda.forward: num_real_classes must be an int, got {num_real_classes!r}")
+        raise TypeError(f"focal_loss_cuda.forward: num_real_classes must be an int, got {shown(num_real_classes)}")
     if not 0 < num_real_classes <= cls_output.shape[-1]:
         raise ValueError(
             f"focal_loss_cuda.forward: num_real_classes {num_real_classes} must be in 1..{cls_output.shape[-1]}"
@@ -52,7 +53,7 @@ def forward(
     # or an infinite one made every loss NaN; a negative gamma is a power of sigma near 0: inf.
     check_hyper("focal_loss_cuda.forward alpha", alpha, -math.inf, math.inf)
     if math.isinf(alpha):  # check_hyper's lower bound is inclusive, and -inf made every loss NaN too
-        raise ValueError(f"Invalid focal_loss_cuda.forward alpha: {alpha!r} (expected a finite number)")
+        raise ValueError(f"Invalid focal_loss_cuda.forward alpha: {shown(alpha)} (expected a finite number)")
     check_hyper("focal_loss_cuda.forward gamma", gamma, 0.0, math.inf)
     check_hyper("focal_loss_cuda.forward label_smoothing", label_smoothing, 0.0, 1.0, closed=True)
     p = cls_output.float()

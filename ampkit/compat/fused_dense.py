@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ampkit.compat._kernel_dtype import in_input_dtype
 from ampkit.ops._switches import checked_switch
 from ampkit.ops._transforms import transforms_active
+from ampkit.wording import shown
 
 __all__ = [
     "DenseNoBiasFunc",
@@ -238,7 +239,7 @@ class FusedDenseGeluDense(nn.Module):
     ) -> None:
         super().__init__()
         if bias is not True:
-            raise ValueError(f"FusedDenseGeluDense takes bias=True only, as in Apex, got bias={bias!r}")
+            raise ValueError(f"FusedDenseGeluDense takes bias=True only, as in Apex, got bias={shown(bias)}")
         self.in_features = in_features
         self.intermediate_features = intermediate_features
         self.out_features = out_features

@@ -42,6 +42,7 @@ from ampkit.ops.optimizers._base import (
     check_hyper,
 )
 from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
+from ampkit.wording import shown
 
 # Constructor arguments of the first FusedAdam that its successor does not take: any of them selects this class.
 LEGACY_ONLY_ARGUMENTS = ("eps_inside_sqrt", "max_grad_norm", "use_mt", "amp_scale_adjustment")
@@ -138,8 +139,8 @@ def _check_adam_keywords(
         else "torch.optim.Adam's L2 decay, weight_decay * p added to the gradient"
     )
     raise ValueError(
-        f"FusedAdam: decoupled_weight_decay={decoupled_weight_decay!r} asks for {asked}; Apex's first FusedAdam adds "
-        "weight_decay * p to the update it scales by the step size, which is AdamW's decay only with "
+        f"FusedAdam: decoupled_weight_decay={shown(decoupled_weight_decay)} asks for {asked}; Apex's first FusedAdam "
+        "adds weight_decay * p to the update it scales by the step size, which is AdamW's decay only with "
         "bias_correction=False (the step size is then lr): leave decoupled_weight_decay out"
     )
 
@@ -341,7 +342,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
             if dynamic_loss_args is not None:
                 raise ValueError("FP16_Optimizer: dynamic_loss_args needs dynamic_loss_scale=True")
             if not (isinstance(static_loss_scale, int | float) and 0 < static_loss_scale < math.inf):
-                raise ValueError(f"FP16_Optimizer: static_loss_scale={static_loss_scale!r}: expected a number > 0")
+                raise ValueError(f"FP16_Optimizer: static_loss_scale={shown(static_loss_scale)}: expected a number > 0")
             self.cur_scale = float32_scale(static_loss_scale, "FP16_Optimizer: static_loss_scale")
 
     def zero_grad(self, set_grads_to_None: bool = True) -> None:  # noqa: N803 - Apex's name

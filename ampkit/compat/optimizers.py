@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ampkit.missing_name import missing_name
+from ampkit.wording import shown
 
 _TARGET_MODULE = "ampkit.ops.optimizers"
 _APEX_NAMES = (
@@ -125,7 +126,7 @@ def _fused_sgd_step(base: type) -> Callable[..., Any]:
         scale = self.most_recent_scale
         if kwargs and scale != 1.0:  # refused before the reset below: the recorded scale stays for a corrected call
             raise ValueError(
-                f"FusedSGD.step got {sorted(kwargs)} while most_recent_scale={scale!r} says the gradients are "
+                f"FusedSGD.step got {sorted(kwargs)} while most_recent_scale={shown(scale)} says the gradients are "
                 "scaled by it: unscale them one way (set most_recent_scale to 1.0, or pass no grad_scale)"
             )
         try:

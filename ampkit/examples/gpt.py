@@ -47,6 +47,7 @@ from ampkit.trainer.checkpoint_io import peek_checkpoint
 from ampkit.trainer.console import say, say_above_the_bars
 from ampkit.trainer.run_life import resolve_checkpoint
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
+from ampkit.wording import shown
 
 VOCAB = 256  # bytes
 
@@ -234,7 +235,7 @@ def prompt_bytes(prompt: torch.Tensor | str | list[int]) -> torch.Tensor:
         tensor = torch.tensor(prompt, dtype=torch.long)
     expected = f"expected one text's bytes: a str, or a 1-D tensor or list of integers in [0, {VOCAB})"
     if tensor is None:
-        raise TypeError(f"generate: the prompt is {type(prompt).__name__} {prompt!r}; {expected}")
+        raise TypeError(f"generate: the prompt is {type(prompt).__name__} {shown(prompt)}; {expected}")
     integral = not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
     if tensor.dim() != 1 or not integral:
         raise TypeError(f"generate: the prompt is a {tensor.dim()}-D {tensor.dtype} tensor; {expected}")
@@ -286,7 +287,7 @@ def _setting(name: str, value: Any, kind: type, valid: str) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not (isinstance(value, kind) and math.isfinite(value) and value >= 0):
-        raise ValueError(f"generate: {name}={value!r} is invalid; expected {valid}")
+        raise ValueError(f"generate: {name}={shown(value)} is invalid; expected {valid}")
     return value
 
 
@@ -391,15 +392,16 @@ def check_gpt_config(cfg: DictConfig) -> None:
         "generate.every_n_steps": (lambda v: v >= 0, "an integer >= 0 (0: never)"),
     }
     problems = [
-        f"config key '{key}': {OmegaConf.select(cfg, key)!r} is invalid; expected {valid}"
+        f"config key '{key}': {shown(OmegaConf.select(cfg, key))} is invalid; expected {valid}"
         for key, (ok, valid) in rules.items()
         if not ok(OmegaConf.select(cfg, key))
     ]
     if cfg.generate.tokens and not cfg.generate.prompt:  # a sample continues the prompt: it needs a byte to start
         problems.append("config key 'generate.prompt': '' is invalid; expected at least one character (e.g. a newline)")
     if not problems and cfg.optim.min_lr > cfg.optim.lr:  # the cosine would climb to it: a swapped pair
-        problems.append(f"config key 'optim.min_lr': {cfg.optim.min_lr!r} is above optim.lr ({cfg.optim.lr!r}); "
-                        "expected at most optim.lr (the rate decays from optim.lr to it)")  # fmt: skip
+        problems.append(f"config key 'optim.min_lr': {shown(cfg.optim.min_lr)} is above optim.lr "
+                        f"({shown(cfg.optim.lr)}); expected at most optim.lr (the rate decays from optim.lr to "
+                        "it)")  # fmt: skip
     m = cfg.model
     if not problems and m.width % m.heads:
         problems.append(f"config key 'model.width': {m.width} is not a multiple of model.heads ({m.heads})")
@@ -602,9 +604,9 @@ class GPTTrainer(ampkit.Trainer):
     def on_predict_start(self) -> None:
         setting = self.cfg.trainer.compile
         if setting is not False:  # generation runs eagerly: the setting would do nothing, silently
-            shown = "true" if setting is True else list(setting)
+            given = "true" if setting is True else list(setting)
             rank_zero_warn(
-                f"config key 'trainer.compile'={shown}: predict generates eagerly (each new length would compile "
+                f"config key 'trainer.compile'={given}: predict generates eagerly (each new length would compile "
                 "another graph), so nothing runs compiled; leave the key out for predict"
             )
 

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from ampkit.wording import shown
+
 BACKENDS = ("auto", "torch", "ampkit")
 ENV_VAR = "AMPKIT_FUSED_BACKEND"
 
@@ -31,7 +33,7 @@ def resolve_backend(backend: str | None, owner: str) -> str:
         backend = os.environ.get(ENV_VAR) or "auto"
     if backend not in BACKENDS:
         source = f"{owner}(backend=...)" if given else ENV_VAR
-        raise ValueError(f"{source}: invalid fused backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        raise ValueError(f"{source}: invalid fused backend {shown(backend)}; expected one of {', '.join(BACKENDS)}")
     return backend
 
 

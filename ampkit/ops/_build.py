@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 
+from ampkit.wording import shown
+
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 
 # -fno-math-errno lets gcc vectorize sqrt (without it the sqrt kernels ran at 0.5x of torch). -fopenmp makes
@@ -132,7 +134,7 @@ def ops_mode() -> str:
     """The implementation ``AMPKIT_OPS`` selects: ``auto`` (default), ``reference`` or ``kernel``."""
     mode = os.environ.get("AMPKIT_OPS", "auto").strip().lower() or "auto"
     if mode not in _MODES:
-        raise ValueError(f"AMPKIT_OPS={mode!r} is not valid; use one of {', '.join(_MODES)}")
+        raise ValueError(f"AMPKIT_OPS={shown(mode)} is not valid; use one of {', '.join(_MODES)}")
     return mode
 
 

@@ -9,6 +9,7 @@ import os
 from ampkit.ops._backend import ENV_VAR as FUSED_BACKEND_VAR
 from ampkit.ops._backend import resolve_backend
 from ampkit.ops._build import ops_mode
+from ampkit.wording import shown
 
 CUDA_KERNELS_VAR = "AMPKIT_CUDA_KERNELS"
 CUDA_KERNELS = ("per_tensor", "multi_tensor")
@@ -19,7 +20,9 @@ def cuda_kernels() -> str:
     other value, as those ops raise one, rather than Python's choice silently taking it as the default."""
     value = os.environ.get(CUDA_KERNELS_VAR) or "per_tensor"
     if value not in CUDA_KERNELS:
-        raise ValueError(f"{CUDA_KERNELS_VAR}={value!r} is not valid; use per_tensor (the default) or multi_tensor")
+        raise ValueError(
+            f"{CUDA_KERNELS_VAR}={shown(value)} is not valid; use per_tensor (the default) or multi_tensor"
+        )
     return value
 
 

@@ -51,7 +51,7 @@ from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops._switches import checked_switch
 from ampkit.ops._transforms import transforms_active
 from ampkit.ops.reference import norms as reference
-from ampkit.wording import beyond_float, integer_digits
+from ampkit.wording import beyond_float, integer_digits, shown
 
 __all__ = [
     "FusedLayerNorm",
@@ -98,7 +98,7 @@ def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
     single = _size(normalized_shape)
     if single is not None:
         return _checked_shape((single,))
-    bad = TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+    bad = TypeError(f"normalized_shape must be an int or a sequence of ints, got {shown(normalized_shape)}")
     if isinstance(normalized_shape, str | bytes) or not isinstance(normalized_shape, Iterable):
         raise bad
     try:
@@ -134,11 +134,11 @@ def _check_eps(op: str, eps: float) -> None:
     if type(eps) is float and 0.0 <= eps < math.inf:  # the usual case, on every call: no ABC check
         return
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise ArgumentTypeError(f"{op}: eps must be a finite number >= 0, got {eps!r} (a {type(eps).__name__})")
+        raise ArgumentTypeError(f"{op}: eps must be a finite number >= 0, got {shown(eps)} (a {type(eps).__name__})")
     if beyond_float(eps):  # passes 0 <= eps < inf, then float() in the op raised a bare OverflowError
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {integer_digits(eps)}")
     if not 0 <= eps < math.inf:
-        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {shown(eps)}")
 
 
 class NormShapeError(ValueError, RuntimeError):

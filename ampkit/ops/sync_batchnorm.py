@@ -22,6 +22,7 @@ from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.norms import NormShapeError
 from ampkit.ops.optimizers._base import check_hyper
+from ampkit.wording import shown
 
 
 def _all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -77,7 +78,7 @@ def _check_numbers(name: str, num_features: Any, eps: Any, momentum: Any) -> Non
     """torch's batch norms take these unchecked: a NaN ``eps`` or ``momentum`` gave NaN outputs or running statistics,
     a momentum of 2 extrapolated them past the batch's, and ``num_features=-1`` failed naming a tensor dimension."""
     if isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral) or num_features < 1:
-        raise ValueError(f"{name}: num_features must be an integer >= 1 (the channels), got {num_features!r}")
+        raise ValueError(f"{name}: num_features must be an integer >= 1 (the channels), got {shown(num_features)}")
     check_hyper(f"{name} eps", eps)
     if momentum is not None:
         check_hyper(f"{name} momentum", momentum, 0.0, 1.0, closed=True)
@@ -121,8 +122,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         batch_stats = self.training or self.running_mean is None  # torch's eval on running statistics takes eps=0
         if batch_stats and not self.eps > 0:  # a channel of equal values normalized by 1/0
             raise ValueError(
-                f"{type(self).__name__}: eps={self.eps!r} must be > 0 to normalize by batch statistics (training); "
-                "eps=0 serves evaluation on running statistics only"
+                f"{type(self).__name__}: eps={shown(self.eps)} must be > 0 to normalize by batch statistics "
+                "(training); eps=0 serves evaluation on running statistics only"
             )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

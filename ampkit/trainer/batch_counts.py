@@ -12,7 +12,7 @@ import torch
 
 from ampkit.config import ConfigError
 from ampkit.trainer.user_code import UserCodeError
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 
 def checked_count(value: Any, owner: object, method: str) -> int | None:
@@ -35,7 +35,7 @@ def checked_count(value: Any, owner: object, method: str) -> int | None:
         if isinstance(value, torch.Tensor):
             problem += " (count on the host, before the batch moves to the device, and return int(...))"
     raise error(
-        f"{type(owner).__name__}.{method}(batch) returned {value!r}: {problem}; expected an integer >= 0 "
+        f"{type(owner).__name__}.{method}(batch) returned {shown(value)}: {problem}; expected an integer >= 0 "
         "(the batch's count), or None where it is unknown"
     )
 

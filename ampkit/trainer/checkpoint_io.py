@@ -22,6 +22,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.trainer.foreign_checkpoint import foreign_contents
+from ampkit.wording import shown
 
 _E = TypeVar("_E", bound=BaseException)
 
@@ -523,7 +524,7 @@ def _refused_in(obj: Any, around: set[int]) -> tuple[list[str], str] | None:
     if isinstance(obj, dict):
         for key, value in obj.items():
             if type(key) not in _PLAIN_TYPES and (found := _refused_in(key, around)) is not None:
-                found[0].append(f"<key {key!r}>")
+                found[0].append(f"<key {shown(key)}>")
                 return found
             if isinstance(value, torch.Tensor) or type(value) in _PLAIN_TYPES:
                 continue
@@ -626,8 +627,8 @@ def _load_open(path: Path, file: IO[bytes]) -> dict[str, Any]:
         )
     if isinstance(checkpoint[FORMAT_KEY], bool) or not isinstance(checkpoint[FORMAT_KEY], int):
         raise CheckpointError(
-            f"'{path}' has checkpoint format {checkpoint[FORMAT_KEY]!r}; ampkit writes a whole number (this ampkit "
-            f"reads up to {FORMAT_VERSION}): the file was written by other code or damaged"
+            f"'{path}' has checkpoint format {shown(checkpoint[FORMAT_KEY])}; ampkit writes a whole number (this "
+            f"ampkit reads up to {FORMAT_VERSION}): the file was written by other code or damaged"
         )
     if checkpoint[FORMAT_KEY] > FORMAT_VERSION:
         raise CheckpointError(

@@ -22,6 +22,7 @@ from ampkit.config import ConfigError, flatten, one_max_time
 from ampkit.trainer.batch_counts import loader_length
 from ampkit.trainer.devices import resolve_device
 from ampkit.trainer.launch_env import check_launch_environment, launch_int
+from ampkit.wording import shown
 
 T = TypeVar("T")
 
@@ -338,8 +339,10 @@ def check_same_config(cfg: DictConfig, env: DistributedEnv) -> None:
         if other_digest == gathered[0][0]:
             continue
         keys = sorted(k for k in set(reference) | set(other) if reference.get(k) != other.get(k))
-        shown = "; ".join(f"{k}: rank 0 has {reference.get(k)!r}, rank {rank} has {other.get(k)!r}" for k in keys[:8])
-        raise ConfigError(f"ranks were launched with different configs ({shown})")
+        differences = "; ".join(
+            f"{k}: rank 0 has {shown(reference.get(k))}, rank {rank} has {shown(other.get(k))}" for k in keys[:8]
+        )
+        raise ConfigError(f"ranks were launched with different configs ({differences})")
 
 
 def gather_object(value: Any, env: DistributedEnv) -> list[Any]:
@@ -453,9 +456,9 @@ def check_equal_batches(count: int | None, env: DistributedEnv, source: str = "t
     if None in counts:
         return False
     if len(set(counts)) > 1:
-        shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
+        ranks = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
         raise ValueError(
-            f"{source} gives the ranks different numbers of batches per epoch ({shown}), but every training step "
+            f"{source} gives the ranks different numbers of batches per epoch ({ranks}), but every training step "
             "all-reduces gradients over all ranks, so the ranks with more would wait there until "
             "distributed.timeout_s: give every rank as many (a DistributedSampler pads each shard to one size) or set "
             f"trainer.limit_train_batches={min(counts)}"
@@ -526,9 +529,9 @@ def warn_of_uneven_evaluation(
     counts = gather_object(counted_batches(loader, limit, source) if evened_by_agreement(loader) else None, env)
     if None in counts or len(set(counts)) == 1:
         return
-    shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
+    ranks = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
     rank_zero_warn(
-        f"{source} gives the ranks different numbers of batches ({shown}): each rank runs its own and the ranks meet "
+        f"{source} gives the ranks different numbers of batches ({ranks}): each rank runs its own and the ranks meet "
         f"only at the pass's end, so a collective of your own in {step} (an all_gather of predictions) would not line "
         f"up across ranks: the rank with more batches meets the others' end-of-pass collective instead, to fail or "
         f"wait until distributed.timeout_s. Give every rank as many batches (a map-style dataset, which ampkit "

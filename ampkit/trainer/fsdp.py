@@ -36,7 +36,7 @@ def validate_strategy(cfg: DictConfig) -> None:
     """
     d = cfg.distributed
     if d.strategy not in STRATEGIES:
-        raise ConfigError(f"config key 'distributed.strategy': {d.strategy!r} is invalid; expected ddp or fsdp")
+        raise ConfigError(f"config key 'distributed.strategy': {shown(d.strategy)} is invalid; expected ddp or fsdp")
     if d.strategy != "fsdp":
         fsdp_knobs = {
             "distributed.fsdp.shard_modules": list(d.fsdp.shard_modules) or None,

@@ -15,6 +15,7 @@ from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, consolidate_checkpoi
 from ampkit.trainer.state_misfit import load_model_state
 from ampkit.trainer.trainer import Trainer
 from ampkit.trainer.user_code import check_model_has_values
+from ampkit.wording import shown
 
 
 def load_model(
@@ -30,8 +31,9 @@ def load_model(
     path = resolve_checkpoint(".", ckpt)  # 'last'/'best': of the runs under the current directory
     if path is None:
         raise CheckpointError(
-            f"load_model({str(ckpt)!r}): no run under the current directory '{os.getcwd()}' has a {ckpt} checkpoint; "
-            f"pass a checkpoint's path (e.g. runs/version_0/checkpoints/{ckpt}.pt), or call it from the run_dir"
+            f"load_model({shown(str(ckpt))}): no run under the current directory '{os.getcwd()}' has a {ckpt} "
+            f"checkpoint; pass a checkpoint's path (e.g. runs/version_0/checkpoints/{ckpt}.pt), or call it from the "
+            "run_dir"
         )
     if is_sharded_checkpoint(path):  # its config is in its trainer file; its shards gathered into one state dict
         trainer_part = load_checkpoint(path / TRAINER_FILE)
@@ -44,7 +46,7 @@ def load_model(
             raise CheckpointError(f"checkpoint '{path}' names no trainer_class; pass trainer_class=")
         trainer_class = import_object(config["trainer_class"], search_from=path.parent)
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
-        raise CheckpointError(f"trainer_class of '{path}' is {trainer_class!r}, not a subclass of ampkit.Trainer")
+        raise CheckpointError(f"trainer_class of '{path}' is {shown(trainer_class)}, not a subclass of ampkit.Trainer")
     config["trainer"] = {**config.get("trainer", {}), "device": "cpu"}  # where it trained need not exist here
     # configure_model() is the plain model: float8 (and its torchao or GPU needs) was a training set-up step
     precision = config.get("precision", {})

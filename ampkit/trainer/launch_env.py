@@ -9,6 +9,7 @@ import os
 
 from ampkit.config import ConfigError
 from ampkit.ops.environment import environment_problems
+from ampkit.wording import shown
 
 # the least valid value of each integer torchrun sets (TORCHELASTIC_RESTART_COUNT: the restarts of its worker group)
 _LEAST = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0, "TORCHELASTIC_RESTART_COUNT": 0}
@@ -26,7 +27,7 @@ def _launch_int(name: str) -> tuple[int | None, str | None]:
     except ValueError:
         value = None
     if value is None or value < least:
-        return None, f"environment variable {name}={raw!r} is not an integer >= {least}"
+        return None, f"environment variable {name}={shown(raw)} is not an integer >= {least}"
     return value, None
 
 

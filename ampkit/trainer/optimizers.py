@@ -95,16 +95,16 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
     if spec.interval not in (None, "step", "epoch"):
         raise UserCodeError(f"{where}: lr_scheduler interval '{spec.interval}' must be 'step' or 'epoch'")
     if isinstance(spec.frequency, bool) or not isinstance(spec.frequency, numbers.Integral):
-        raise UserCodeError(f"{where}: lr_scheduler frequency {spec.frequency!r} must be an integer >= 1")
+        raise UserCodeError(f"{where}: lr_scheduler frequency {shown(spec.frequency)} must be an integer >= 1")
     if spec.frequency < 1:
         raise UserCodeError(f"{where}: lr_scheduler frequency {spec.frequency} must be >= 1")
     spec.frequency = int(spec.frequency)
     if not isinstance(spec.strict, bool):  # "false" would be true
-        raise UserCodeError(f"{where}: lr_scheduler strict {spec.strict!r} must be True or False")
+        raise UserCodeError(f"{where}: lr_scheduler strict {shown(spec.strict)} must be True or False")
     for key in ("monitor", "name"):
         if not isinstance(getattr(spec, key), str | None):
             raise UserCodeError(
-                f"{where}: lr_scheduler {key} {getattr(spec, key)!r} must be a string (e.g. 'val/loss') or None"
+                f"{where}: lr_scheduler {key} {shown(getattr(spec, key))} must be a string (e.g. 'val/loss') or None"
             )
     _check_monitor_names_a_metric(spec.monitor, f"{where}: lr_scheduler monitor")
     return spec
@@ -221,7 +221,9 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
             scheds = list(scheds) if isinstance(scheds, list | tuple) else ([] if scheds is None else [scheds])
             sched_specs = [_scheduler_spec(s, where) for s in scheds]
             if not isinstance(item.get("monitor"), str | None):
-                raise UserCodeError(f"{where}: monitor {item['monitor']!r} must be a string (e.g. 'val/loss') or None")
+                raise UserCodeError(
+                    f"{where}: monitor {shown(item['monitor'])} must be a string (e.g. 'val/loss') or None"
+                )
             _check_monitor_names_a_metric(item.get("monitor"), f"{where}: monitor")
             for spec in sched_specs:
                 target = getattr(spec.scheduler, "optimizer", item["optimizer"])
@@ -351,8 +353,8 @@ def check_group_settings(specs: list[OptimizerSpec]) -> None:
                     valid = "a finite number >= 0" if key == "lr" else "a number (NaN sets nothing)"
                     raise UserCodeError(
                         f"configure_optimizers(): optimizer '{spec.name}' ({type(spec.optimizer).__name__}) has "
-                        f"{key}={_plain(value)!r} in param group {index}; expected {valid}, as passed to the optimizer "
-                        "or set by its LR scheduler's first step"
+                        f"{key}={shown(_plain(value))} in param group {index}; expected {valid}, as passed to the "
+                        "optimizer or set by its LR scheduler's first step"
                     )
 
 

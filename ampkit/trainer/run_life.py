@@ -558,10 +558,10 @@ def _check_loop_position(path: Path, loop: Any) -> None:
     values = [loop.get(k, 0 if k == "batches_done" else None) for k in keys] if isinstance(loop, dict) else [None]
     fine = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)  # batches_done: format 1
     if not fine:
-        shown = {k: loop.get(k) for k in keys} if isinstance(loop, dict) else loop
+        position = {k: loop.get(k) for k in keys} if isinstance(loop, dict) else loop
         raise CheckpointError(
-            f"checkpoint '{path}' has a loop position {shown!r}; expected whole numbers >= 0 for {', '.join(keys)} "
-            "(the file was edited or written by other code): resume another checkpoint"
+            f"checkpoint '{path}' has a loop position {shown(position)}; expected whole numbers >= 0 for "
+            f"{', '.join(keys)} (the file was edited or written by other code): resume another checkpoint"
         )
 
 

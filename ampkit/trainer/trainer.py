@@ -66,6 +66,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ampkit.amp.patch_scope import without_torch_patches
 from ampkit.config import (
+    METRIC_NAME_RULE,
     Config,
     ConfigError,
     TrainerConfig,
@@ -354,7 +355,7 @@ def _log_switch(tag: str, name: str, value: Any, default: bool | None) -> bool:
     if is_switch(value):
         return bool(value)
     or_none = " or None (the hook's default)" if default is not None else ""
-    raise UserCodeError(f"log('{tag}', {name}={shown(value)}): expected True or False{or_none}")
+    raise UserCodeError(f"log({shown(tag)}, {name}={shown(value)}): expected True or False{or_none}")
 
 
 def _log_batch_size(tag: str, batch_size: Any) -> int | None:
@@ -364,7 +365,7 @@ def _log_batch_size(tag: str, batch_size: Any) -> int | None:
         return batch_size
     if isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool) and batch_size >= 1:
         return int(batch_size)
-    raise UserCodeError(f"log('{tag}', batch_size={shown(batch_size)}): {_LOG_OPTION_INSTEAD['batch_size']}")
+    raise UserCodeError(f"log({shown(tag)}, batch_size={shown(batch_size)}): {_LOG_OPTION_INSTEAD['batch_size']}")
 
 
 def _every(n: int, count: int) -> bool:
@@ -703,8 +704,8 @@ class Trainer:
     @should_stop.setter
     def should_stop(self, value: Any) -> None:
         raise AttributeError(
-            f"{type(self).__name__}.should_stop = {value!r} would stop nothing: Lightning's trainer.should_stop is "
-            f"{LIGHTNING_NAMES['should_stop']}",
+            f"{type(self).__name__}.should_stop = {shown(value)} would stop nothing: Lightning's trainer.should_stop "
+            f"is {LIGHTNING_NAMES['should_stop']}",
             name="should_stop",
             obj=self,
         )
@@ -770,7 +771,7 @@ class Trainer:
         if isinstance(optimizer, str):
             if optimizer not in self.optimizers:
                 raise UserCodeError(
-                    f"{method}(optimizer={optimizer!r}): no optimizer has that name; configure_optimizers() made "
+                    f"{method}(optimizer={shown(optimizer)}): no optimizer has that name; configure_optimizers() made "
                     f"{list(self.optimizers)}"
                 )
             return self.optimizers[optimizer]
@@ -944,9 +945,11 @@ class Trainer:
         if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
             what = "empty" if isinstance(tag, str) else type(tag).__name__
             raise UserCodeError(f"log(tag={shown(tag)}): the tag is {what}; expected a string such as 'train/acc'")
+        if not tag.isprintable():  # a monitor naming it is refused (config.names_a_metric): refused here as well
+            raise UserCodeError(f"log(tag={shown(tag)}): the tag is invalid; expected {METRIC_NAME_RULE}")
         if self.evaluation_step is not None:  # before its options: a port's prog_bar or sync_dist there is not the fix
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
-            raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
+            raise UserCodeError(f"log({shown(tag)}) in {self.evaluation_step}: {instead}")
         on_step = _log_switch(tag, "on_step", on_step, default=True)
         on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
         refused: list[str] = []
@@ -959,16 +962,18 @@ class Trainer:
         if refused:
             instead = "".join(f"; {_LOG_OPTION_INSTEAD[name]}" for name in refused if name in _LOG_OPTION_INSTEAD)
             got = ", ".join(f"{name}={shown(others[name])}" for name in refused)
-            raise UserCodeError(f"log('{tag}') got {got}, which it does not take: {_LOG_OPTIONS}{instead}")
+            raise UserCodeError(f"log({shown(tag)}) got {got}, which it does not take: {_LOG_OPTIONS}{instead}")
         weight = _log_batch_size(tag, others.get("batch_size"))
         always = _log_switch(tag, "always", always, default=None)
         valid_step = step is None or (type(step) is int and step >= 0)  # the usual cases, without an ABC check
         if not valid_step and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
-            raise UserCodeError(f"log('{tag}', step={shown(step)}): expected None (this iteration) or an integer >= 0")
+            raise UserCodeError(
+                f"log({shown(tag)}, step={shown(step)}): expected None (this iteration) or an integer >= 0"
+            )
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:  # a one-line error at the CLI, as the user's code can fix it from the message
                 raise UserCodeError(
-                    f"log('{tag}'): expected a scalar, got a tensor of shape {tuple(value.shape)}; log one number "
+                    f"log({shown(tag)}): expected a scalar, got a tensor of shape {tuple(value.shape)}; log one number "
                     "(its mean, a norm) or each element under a tag of its own"
                 )
             value = value.detach()
@@ -980,30 +985,30 @@ class Trainer:
                 else ""
             )
             raise UserCodeError(
-                f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}{metric}"
+                f"log({shown(tag)}): expected a number or a one-element tensor, got {type(value).__name__}{metric}"
             )
         elif type(value) is not float:  # every logger and mean reads it as a float
-            refuse_beyond_float(f"log('{tag}')", value)
+            refuse_beyond_float(f"log({shown(tag)})", value)
         if self._fx in _EVALUATION_ENDS:  # the set's value (an AUC over it), as Lightning's on_*_epoch_end logs one
             self._log_evaluation_value(tag, value, step)
             return
         if not (on_step or on_epoch):  # nothing would be written: Lightning refuses it too
             raise UserCodeError(
-                f"log('{tag}', on_step=False, on_epoch=False) writes nothing; give on_step=True (its value at the "
+                f"log({shown(tag)}, on_step=False, on_epoch=False) writes nothing; give on_step=True (its value at the "
                 "logged steps) or on_epoch=True (its mean over the epoch), or both"
             )
         if self._fx == "on_validation_batch_end":  # Lightning's default there is the mean over the set
             raise UserCodeError(
-                f"log('{tag}') in on_validation_batch_end: each validation batch's value would be written at one "
+                f"log({shown(tag)}) in on_validation_batch_end: each validation batch's value would be written at one "
                 "training step, the last batch's left (Lightning averages it over the set): return it from "
                 "validation_step (averaged over the set and written as val/<name>), or log the set's value in "
                 "on_validation_end"
             )
         if on_epoch and self._fx in _EVALUATION_STARTS:  # outside training, yet it would join training's epoch mean
             raise UserCodeError(
-                f"log('{tag}', on_epoch=True) in {self._fx}: an epoch mean logged there would be one of the training "
-                f"epoch's; a value over the evaluated set is one its step returns (averaged over the set) or one "
-                f"{_EVALUATION_STARTS[self._fx]} logs"
+                f"log({shown(tag)}, on_epoch=True) in {self._fx}: an epoch mean logged there would be one of the "
+                f"training epoch's; a value over the evaluated set is one its step returns (averaged over the set) or "
+                f"one {_EVALUATION_STARTS[self._fx]} logs"
             )
         if self.state.stage != "fit":  # the sanity validation, a validate() or test() of its own: see below
             return
@@ -1042,8 +1047,8 @@ class Trainer:
         if clash in self._evaluated:
             step_name = "validation_step" if validation else "test_step"
             raise UserCodeError(
-                f"log('{tag}') in {self._fx}: {step_name} returns '{clash}' ({prefix}{clash}, its mean over the set), "
-                "so one name would hold two values; log this one under a tag of its own"
+                f"log({shown(tag)}) in {self._fx}: {step_name} returns '{clash}' ({prefix}{clash}, its mean over the "
+                "set), so one name would hold two values; log this one under a tag of its own"
             )
         (self.validation_end_values if validation else self.test_end_values)[tag] = float(value)
         # Written for a fit's validations only, as their val/ metrics are: not the sanity pass's (a few batches of an
@@ -1167,8 +1172,8 @@ class Trainer:
         first = self._epoch_fx.setdefault(tag, fx)
         if first != fx:
             raise UserCodeError(
-                f"log('{tag}', on_epoch=True) in {fx}: '{tag}' has an epoch mean logged in {first} already, and one "
-                f"mean of both hooks' values would be neither's: log it under a tag of its own here (e.g. "
+                f"log({shown(tag)}, on_epoch=True) in {fx}: '{tag}' has an epoch mean logged in {first} already, and "
+                f"one mean of both hooks' values would be neither's: log it under a tag of its own here (e.g. "
                 f"'{tag}_{fx}')"
             )
 

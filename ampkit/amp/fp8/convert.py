@@ -17,7 +17,7 @@ from torch import nn
 
 from ampkit.amp.fp8.linear import Float8Linear
 from ampkit.amp.fp8.recipes import recipe_named
-from ampkit.wording import counted
+from ampkit.wording import counted, shown
 
 BACKENDS = ("torchao", "reference")
 """precision.fp8.backend values: torchao's Float8Linear, or ampkit's own pure-torch casts."""
@@ -103,7 +103,7 @@ def convert_to_float8(
     """
     spec = recipe_named(recipe)
     if backend not in BACKENDS:
-        raise ValueError(f"unknown fp8 backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown fp8 backend {shown(backend)}; expected one of {', '.join(BACKENDS)}")
     if isinstance(model, nn.Linear):
         raise ValueError("the model itself is a Linear: it cannot be swapped in place; wrap it in a container")
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}

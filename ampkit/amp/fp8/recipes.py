@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ampkit.wording import shown
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 
@@ -74,4 +76,4 @@ def recipe_named(name: str) -> Float8Recipe:
     try:
         return RECIPES[name]
     except KeyError:
-        raise ValueError(f"unknown fp8 recipe {name!r}; expected one of {', '.join(RECIPES)}") from None
+        raise ValueError(f"unknown fp8 recipe {shown(name)}; expected one of {', '.join(RECIPES)}") from None

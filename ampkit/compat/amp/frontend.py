@@ -23,7 +23,7 @@ from ampkit.compat.amp.handle import init
 from ampkit.compat.amp.properties import O0, O1, O2, O3, O4, O5, Properties, opt_levels  # noqa: F401 - Apex's
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.ops._switches import is_switch
-from ampkit.wording import type_of
+from ampkit.wording import shown, type_of
 
 # What amp.load_state_dict got before the first initialize: loaded into the scalers that initialize makes.
 _held_state: dict[str, Any] | None = None
@@ -164,7 +164,7 @@ def _check_parameters(models: list[Any], optimizers: list[Any]) -> None:
         for name, param in model.named_parameters():
             if param.is_meta:
                 raise ValueError(
-                    f"models[{i}]'s parameter {name!r} is on the meta device, which holds no values to train: "
+                    f"models[{i}]'s parameter {shown(name)} is on the meta device, which holds no values to train: "
                     "materialize the model (model.to_empty(device=...) and its init) before amp.initialize, and "
                     "build its optimizer after that"
                 )
@@ -265,11 +265,11 @@ def initialize(
     """
     _amp_state.reset()
     if not isinstance(verbosity, numbers.Integral):  # a bool too: NVIDIA's odtk passes verbosity=is_master
-        raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
+        raise ValueError(f"verbosity={shown(verbosity)}: expected an integer (0 silences amp)")
     verbosity = int(verbosity)
     _amp_state.verbosity = verbosity
     if not is_switch(enabled):  # by truthiness enabled='False' from a config switched amp on
-        raise ValueError(f"enabled={enabled!r}: expected True or False")
+        raise ValueError(f"enabled={shown(enabled)}: expected True or False")
     if not enabled:
         # Apex returned here, reading nothing else: a float32 run of a script that passes its fp16 settings through
         # (opt_level=None or 'o1', loss_scale=0 meaning dynamic, ...) must not stop on them
@@ -280,7 +280,7 @@ def initialize(
     # optimizer in a second initialize that makes the scalers (ColossalAI's GPT benchmark)
     num_losses = loss_count_option(num_losses, "num_losses", zero_means=_NO_SCALER)
     if combine_grad is not None and not is_switch(combine_grad):
-        raise ValueError(f"combine_grad={combine_grad!r}: expected True, False or None")  # bool("False") is True
+        raise ValueError(f"combine_grad={shown(combine_grad)}: expected True, False or None")  # bool("False") is True
     properties = resolve_opt_level(
         opt_level,
         dtype=dtype,
@@ -294,7 +294,7 @@ def initialize(
     if cast_model_outputs is not None and not (
         isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point
     ):
-        raise ValueError(f"cast_model_outputs={cast_model_outputs!r}: expected a floating torch dtype or None")
+        raise ValueError(f"cast_model_outputs={shown(cast_model_outputs)}: expected a floating torch dtype or None")
     model_list, models_container = _as_list(models, "models")
     optimizers_given = optimizers is not None
     optimizer_list, optimizers_container = _as_list(optimizers, "optimizers") if optimizers_given else ([], None)

@@ -27,8 +27,8 @@ def _optimizer_list(optimizers: Any) -> list[Any]:
     items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not items:
         raise ValueError(
-            f"amp.scale_loss got no optimizers ({optimizers!r}): pass the optimizer(s) that step on this backward's "
-            "gradients, which would otherwise stay multiplied by the loss scale"
+            f"amp.scale_loss got no optimizers ({shown(optimizers)}): pass the optimizer(s) that step on this "
+            "backward's gradients, which would otherwise stay multiplied by the loss scale"
         )
     for i, optimizer in enumerate(items):
         if not hasattr(optimizer, "_amp_stash"):
@@ -111,7 +111,7 @@ def scale_loss(
     _check_loss(loss, "amp.scale_loss")
     for name, value in (("delay_unscale", delay_unscale), ("delay_overflow_check", delay_overflow_check)):
         if not is_switch(value):  # by truthiness "False" delayed: an overflow then stepped on inf gradients
-            raise ValueError(f"amp.scale_loss: {name}={value!r}: expected True or False")
+            raise ValueError(f"amp.scale_loss: {name}={shown(value)}: expected True or False")
     stashes = [optimizer._amp_stash for optimizer in _optimizer_list(optimizers)]
     scaler = scalers[loss_id]
     unit_static = not scaler.dynamic and scaler.loss_scale() == 1.0
@@ -194,7 +194,7 @@ def _refuse_fork_keywords(keywords: dict[str, Any]) -> None:
         known = ", ".join(f"'{p}'" for p in ("loss", "optimizers", "loss_id", "model", "delay_unscale"))
         why = _FORK_KEYWORDS.get(name, "Apex's scale_loss has no such keyword")
         raise TypeError(
-            f"amp.scale_loss() got an unexpected keyword argument {name!r} ({name}={value!r}): {why}. Apex's "
+            f"amp.scale_loss() got an unexpected keyword argument {shown(name)} ({name}={shown(value)}): {why}. Apex's "
             f"scale_loss takes {known} and 'delay_overflow_check'."
         )
 
@@ -494,11 +494,11 @@ def init(
         ...     scaled_loss.backward()
     """
     if patch_type not in o1_casts.LOW_PRECISION:
-        raise ValueError(f"patch_type={patch_type!r}: expected torch.float16 or torch.bfloat16")
+        raise ValueError(f"patch_type={shown(patch_type)}: expected torch.float16 or torch.bfloat16")
     switches = {"enabled": enabled, "enable_caching": enable_caching, "verbose": verbose, "allow_banned": allow_banned}
     for name, value in switches.items():
         if not is_switch(value):  # bool("False") is True: amp.initialize refuses it too
-            raise ValueError(f"{name}={value!r}: expected True or False")
+            raise ValueError(f"{name}={shown(value)}: expected True or False")
     previous = _amp_state.active_handle
     if previous is not None:
         previous._deactivate()

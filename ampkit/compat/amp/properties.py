@@ -15,6 +15,7 @@ import torch
 from ampkit.amp import resolve_opt_level
 from ampkit.amp.opt_levels import parse_loss_scale
 from ampkit.compat.amp._amp_state import warn_or_err
+from ampkit.wording import shown
 
 _OPTION_DEFAULTS: dict[str, Any] = {
     "enabled": False,
@@ -81,7 +82,7 @@ class Properties:
             return value == "True"
         if value is not None and value is not True and value is not False:
             raise ValueError(
-                f"keep_batchnorm_fp32={value!r}: expected True, False, the string 'True' or 'False', or None"
+                f"keep_batchnorm_fp32={shown(value)}: expected True, False, the string 'True' or 'False', or None"
             )
         return value
 

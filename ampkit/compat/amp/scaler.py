@@ -19,6 +19,7 @@ from ampkit.amp import LossScaler as EngineLossScaler
 from ampkit.amp.scaler import float32_scale, overflow_verdict, positive_option
 from ampkit.compat import amp_c
 from ampkit.ops import multi_tensor
+from ampkit.wording import shown
 
 # Apex's names for the engine scaler's options, which errors name
 _APEX_OPTION_NAMES = {"growth_interval": "scale_window", "min_scale": "min_loss_scale", "max_scale": "max_loss_scale"}
@@ -34,8 +35,9 @@ def stashed_scales(scale_override: Sequence[Any] | None, loss_scale: float) -> t
         return loss_scale, 1.0, 1.0
     if isinstance(scale_override, torch.Tensor) or not isinstance(scale_override, Sequence) or len(scale_override) != 3:
         raise ValueError(
-            f"scale_override={scale_override!r}: expected None or three scales (grads_have_scale, stashed_have_scale, "
-            "out_scale): those the new and the stashed gradients carry, and the one to leave them at"
+            f"scale_override={shown(scale_override)}: expected None or three scales (grads_have_scale, "
+            "stashed_have_scale, out_scale): those the new and the stashed gradients carry, and the one to leave them "
+            "at"
         )
     names = ("grads_have_scale", "stashed_have_scale", "out_scale")
     grads_have, stashed_have, out = (
@@ -79,7 +81,7 @@ class ApexLossScaler(EngineLossScaler):
         names = {**_APEX_OPTION_NAMES, **(option_names or {})}
         if not (isinstance(scale_factor, numbers.Real) and scale_factor == 2.0):
             warnings.warn(
-                f"LossScaler: {names.get('scale_factor', 'scale_factor')}={scale_factor!r} is ignored, as Apex "
+                f"LossScaler: {names.get('scale_factor', 'scale_factor')}={shown(scale_factor)} is ignored, as Apex "
                 "ignored it: a dynamic scale halves on an overflow and doubles after scale_window clean steps "
                 "(amp.initialize's scale_growth_factor and scale_backoff_factor, or LossScaler's growth_factor= and "
                 "backoff_factor=, change them)",

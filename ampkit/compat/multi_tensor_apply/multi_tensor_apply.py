@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import Tensor
 
+from ampkit.wording import shown
+
 __all__ = ["MultiTensorApply", "multi_tensor_applier"]
 
 
@@ -22,7 +24,7 @@ class MultiTensorApply:
 
     def __init__(self, chunk_size: int) -> None:
         if not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+            raise ValueError(f"chunk_size must be a positive int; got {shown(chunk_size)}")
         self.chunk_size = chunk_size
 
     def check_avail(self) -> None:

@@ -90,6 +90,7 @@ from ampkit.compat.parallel.flat_dist import (
 )
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.distributed import let_gloo_threads_release
+from ampkit.wording import shown
 
 __all__ = [  # Apex's module held its flat collectives too: scripts import flat_dist_call from here
     "DistributedDataParallel",
@@ -372,11 +373,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             )
             gradient_predivide_factor = gradient_average_split_factor
         if not (isinstance(message_size, numbers.Real) and 0 < message_size < math.inf):
-            raise ValueError(f"message_size must be a positive number of elements, got {message_size!r}")
+            raise ValueError(f"message_size must be a positive number of elements, got {shown(message_size)}")
         if not (isinstance(gradient_predivide_factor, numbers.Real) and 0 < gradient_predivide_factor < math.inf):
             # every gradient is divided by it: NaN or inf slipped past a "<= 0" check into NaN or zero gradients
             raise ValueError(
-                f"gradient_predivide_factor must be a finite number > 0, got {gradient_predivide_factor!r}"
+                f"gradient_predivide_factor must be a finite number > 0, got {shown(gradient_predivide_factor)}"
             )
         # read by truthiness, gradient_average="False" averaged where the config asked for a sum
         owner = "DistributedDataParallel"

@@ -13,6 +13,7 @@ from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.host_values import host_numbers
 from ampkit.ops.optimizers._base import check_group_at_step
+from ampkit.wording import shown
 
 
 class LARC:
@@ -32,9 +33,9 @@ class LARC:
         # Both divide or scale each layer's rate: NaN (and a negative eps, which can zero the denominator) gave NaN
         # weights; "False" for clip was read as on.
         if not (isinstance(trust_coefficient, numbers.Real) and 0 < trust_coefficient < math.inf):
-            raise ValueError(f"LARC: trust_coefficient must be a finite number > 0, got {trust_coefficient!r}")
+            raise ValueError(f"LARC: trust_coefficient must be a finite number > 0, got {shown(trust_coefficient)}")
         if not (isinstance(eps, numbers.Real) and 0 <= eps < math.inf):
-            raise ValueError(f"LARC: eps must be a finite number >= 0, got {eps!r}")
+            raise ValueError(f"LARC: eps must be a finite number >= 0, got {shown(eps)}")
         self.optim = optimizer
         self.trust_coefficient = trust_coefficient
         self.eps = eps

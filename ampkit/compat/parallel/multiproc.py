@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from ampkit.wording import shown
+
 _USAGE = "usage: python -m apex.parallel.multiproc SCRIPT [ARGS...] [--world-size N]"
 # How long the workers left get after the SIGTERM that stops them before a SIGKILL, as torchrun's agent gives them: one
 # that handles SIGTERM (ampkit's fit() stops at its iteration's end and saves) may be stuck in a collective with the
@@ -56,7 +58,7 @@ def world_size(args: list[str]) -> int:
     if given is None:
         return 1
     if not given.isdigit() or int(given) < 1:
-        raise SystemExit(f"apex.parallel.multiproc: --world-size must be a positive integer, got {given!r}")
+        raise SystemExit(f"apex.parallel.multiproc: --world-size must be a positive integer, got {shown(given)}")
     return int(given)
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ampkit.ops import sync_batchnorm as _ops
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.norms import NormShapeError
+from ampkit.wording import shown
 
 
 def _spans_ranks(process_group: dist.ProcessGroup | None) -> bool:
@@ -93,7 +94,7 @@ def create_syncbn_process_group(group_size: int) -> dist.ProcessGroup | None:
         return None
     world_size = dist.get_world_size()
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0:
-        raise ValueError(f"group_size={group_size!r}: expected an integer >= 0 (0 = the whole world)")
+        raise ValueError(f"group_size={shown(group_size)}: expected an integer >= 0 (0 = the whole world)")
     if group_size > world_size or world_size % group_size:
         raise ValueError(f"group_size={group_size} must divide the world size {world_size}")
     mine = None

@@ -80,7 +80,9 @@ def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
             )
         return value
     if name == "grad_scale" and isinstance(value, bool):
-        raise ArgumentTypeError(f"step(): grad_scale must be a number or a one-element float32 tensor, got {value!r}")
+        raise ArgumentTypeError(
+            f"step(): grad_scale must be a number or a one-element float32 tensor, got {shown(value)}"
+        )
     if isinstance(value, bool | numbers.Real):
         if name == "grad_scale" and not valid_scale(value):  # a host number is checked for free
             raise ValueError(
@@ -102,7 +104,7 @@ def valid_scale(value: float) -> bool:
 def check_grad_factor(grad_factor: float) -> None:
     """``step_with_grad_factor``'s factor must be a finite number: NaN or inf would turn every weight NaN."""
     if isinstance(grad_factor, bool) or not (isinstance(grad_factor, numbers.Real) and abs(grad_factor) < math.inf):
-        raise ValueError(f"step_with_grad_factor: grad_factor must be a finite number, got {grad_factor!r}")
+        raise ValueError(f"step_with_grad_factor: grad_factor must be a finite number, got {shown(grad_factor)}")
 
 
 def _skip_on_bad_scale(found_inf: Tensor | None, grad_scale: Tensor) -> Tensor:
@@ -390,15 +392,15 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
     torch.optim takes them); else a ValueError (a float there is a positional call gone astray)."""
     expected = "(expected two numbers in [0.0, 1.0))"
     if not isinstance(betas, Sequence) or isinstance(betas, str | bytes):
-        raise ArgumentTypeError(f"Invalid betas{where}: {betas!r} is {type_of(betas)} {expected}")
+        raise ArgumentTypeError(f"Invalid betas{where}: {shown(betas)} is {type_of(betas)} {expected}")
     if len(betas) != 2:
-        raise ValueError(f"Invalid betas{where}: {betas!r} {expected}")
+        raise ValueError(f"Invalid betas{where}: {shown(betas)} {expected}")
     for i, beta in enumerate(betas):
         check_hyper(f"betas[{i}]{where}", beta, 0.0, 1.0)
     if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):  # torch.optim's rule and words
         raise ValueError(
-            f"Invalid betas{where}: {tuple(betas)!r} mixes a tensor and a number; betas must be either both floats or "
-            "both Tensors"
+            f"Invalid betas{where}: {shown(tuple(betas))} mixes a tensor and a number; betas must be either both "
+            "floats or both Tensors"
         )
     return tuple(betas)
 
@@ -420,8 +422,9 @@ def check_group_hypers(group: dict[str, Any]) -> None:
         check_betas(group["betas"], " of a param group")
     if group.get("differentiable"):  # torch.optim's switch, in a group of the user's or from a torch checkpoint
         raise ValueError(
-            f"Invalid differentiable of a param group: {group['differentiable']!r} (fused optimizers update in place "
-            "under torch.no_grad(), so no gradient flows through their step; use torch.optim's optimizer for that)"
+            f"Invalid differentiable of a param group: {shown(group['differentiable'])} (fused optimizers update in "
+            "place under torch.no_grad(), so no gradient flows through their step; use torch.optim's optimizer for "
+            "that)"
         )
 
 
@@ -501,9 +504,9 @@ def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[s
     missing = [key for key in ("state", "param_groups") if key not in state_dict]
     if missing:
         keys = sorted(map(str, state_dict))
-        shown = keys[:6] + (["..."] if len(keys) > 6 else [])
+        first_keys = keys[:6] + (["..."] if len(keys) > 6 else [])
         raise StateDictKeyError(
-            f"{where}: the state dict lacks {missing} (its keys: {shown}): expected optimizer.state_dict(), not a "
+            f"{where}: the state dict lacks {missing} (its keys: {first_keys}): expected optimizer.state_dict(), not a "
             "model's state_dict() or a whole checkpoint"
         )
     groups, states = state_dict["param_groups"], state_dict["state"]
@@ -518,13 +521,15 @@ def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[s
     tensor_keys = set(tensor_keys)
     for pid, entry in states.items():
         if not isinstance(entry, Mapping):
-            raise TypeError(f"{where}: saved state[{pid!r}] is {type_of(entry)}, expected a dict")
+            raise TypeError(f"{where}: saved state[{shown(pid)}] is {type_of(entry)}, expected a dict")
         for key, value in entry.items():
             if key == "step":
                 if isinstance(value, bool) or not isinstance(value, numbers.Real | Tensor):
-                    raise TypeError(f"{where}: saved state[{pid!r}]['step'] is {value!r:.40}, expected a number")
+                    raise TypeError(f"{where}: saved state[{shown(pid)}]['step'] is {value!r:.40}, expected a number")
             elif key in tensor_keys and value is not None and not isinstance(value, Tensor):
-                raise TypeError(f"{where}: saved state[{pid!r}][{key!r}] is {type_of(value)}, expected a tensor")
+                raise TypeError(
+                    f"{where}: saved state[{shown(pid)}][{shown(key)}] is {type_of(value)}, expected a tensor"
+                )
 
 
 def refuse_reordered_names(owner: str, saved_groups: Sequence[Any], groups: Sequence[dict[str, Any]]) -> None:
@@ -637,7 +642,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         backend: str | None = None,
     ) -> None:
         if not isinstance(master_weights, bool):
-            raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
+            raise TypeError(f"master_weights must be a bool; got {shown(master_weights)}")
         for key in GROUP_FLAGS:  # named as given, before the groups that take them as defaults
             if key in defaults:
                 check_group_flag(key, key, defaults[key])
@@ -810,7 +815,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 for name, t, begin, end in spans:
                     if begin <= address < end and shares_memory(t, other):
-                        what = ("", "'s .grad")[k] if k < 2 else f"'s state[{list(state)[k - 2]!r}]"
+                        what = ("", "'s .grad")[k] if k < 2 else f"'s state[{shown(list(state)[k - 2])}]"
                         raise RuntimeError(
                             f"{type(self).__name__}.step(): {name} shares memory with param_groups[{g}]['params']"
                             f"[{i}]{what}, which the step writes (torch: some elements of the input tensor and "

@@ -22,6 +22,7 @@ from ampkit.ops.optimizers._base import (
 )
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
+from ampkit.wording import shown
 
 
 class FusedAdam(FusedOptimizer):
@@ -198,7 +199,7 @@ def _refuse_other_decay(who: str, decoupled_weight_decay: Any, adam_w_mode: Any)
     what the step reads: one of the two would be dropped without a word."""
     if bool(decoupled_weight_decay) != bool(adam_w_mode):
         raise ValueError(
-            f"{who} decoupled_weight_decay={decoupled_weight_decay!r} (torch.optim.Adam's name) and "
-            f"adam_w_mode={adam_w_mode!r}: FusedAdam reads adam_w_mode (True: AdamW's decay, False: L2 as "
+            f"{who} decoupled_weight_decay={shown(decoupled_weight_decay)} (torch.optim.Adam's name) and "
+            f"adam_w_mode={shown(adam_w_mode)}: FusedAdam reads adam_w_mode (True: AdamW's decay, False: L2 as "
             "torch.optim.Adam); set that one"
         )

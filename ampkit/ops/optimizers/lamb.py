@@ -26,6 +26,7 @@ from ampkit.ops.optimizers._base import (
 )
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
+from ampkit.wording import shown
 
 
 class FusedLAMB(FusedOptimizer):
@@ -245,7 +246,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable, capturable=capturable
         )
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step={step!r}: expected the integer step count to start from (>= 0)")
+            raise ValueError(f"step={shown(step)}: expected the integer step count to start from (>= 0)")
         self._initial_step = step  # also where a per-group count starts (see FusedOptimizer._steps_per_group)
         if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(

@@ -22,6 +22,7 @@ from ampkit.ops.optimizers._base import (
 )
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers._torch_keywords import check_torch_keywords
+from ampkit.wording import shown
 
 
 class _PendingFirstStep:
@@ -127,7 +128,7 @@ class FusedSGD(FusedOptimizer):
                 f"dampening={dampening}"
             )
         if not isinstance(fp32_momentum, bool):
-            raise TypeError(f"fp32_momentum must be a bool; got {fp32_momentum!r}")
+            raise TypeError(f"fp32_momentum must be a bool; got {shown(fp32_momentum)}")
         self.fp32_momentum = fp32_momentum
         self.wd_after_momentum = bool(wd_after_momentum)  # Apex: weight decay added after the momentum update
         defaults = dict(
