@@ -347,6 +347,25 @@ def test_a_callback_s_monitor_compares_equal_to_its_metric_name_as_lightning_s_s
     assert checkpoint.monitor != stopper.monitor and ModelCheckpoint().monitor is None
 
 
+@pytest.mark.parametrize(
+    ("build", "given", "order"),
+    [
+        (lambda: EarlyStopping("val/loss", 0.01, 5), "mode=0.01", "(monitor, min_delta, patience)"),
+        (lambda: EarlyStopping("val/loss", 0), "mode=0", "(monitor, min_delta, patience)"),
+        (lambda: ModelCheckpoint("ckpts/"), "every_n_steps='ckpts/'", "(dirpath, filename, monitor, verbose"),
+        (lambda: ModelCheckpoint(None, "{epoch}"), "every_n_epochs='{epoch}'", "(dirpath, filename, monitor, verbose"),
+        (lambda: ModelCheckpoint(None, None, "val/loss"), "keep_last='val/loss'", "(dirpath, filename, monitor,"),
+        (lambda: ModelCheckpoint(None), "every_n_steps=None is not taken here", "position for Lightning's dirpath"),
+    ],
+)  # fmt: skip
+def test_a_call_by_lightning_s_positional_order_is_refused_saying_so(build, given, order):
+    """EarlyStopping("val_loss", 0.01, 5) is Lightning's (monitor, min_delta, patience): here 0.01 lands on mode,
+    refused as an invalid mode without saying why; ModelCheckpoint("ckpts/") put the dirpath on every_n_steps."""
+    with pytest.raises(ValueError) as refused:
+        build()
+    assert given in str(refused.value) and order in str(refused.value) and "by keyword" in str(refused.value)
+
+
 @pytest.mark.parametrize("name", ["every_n_steps", "every_n_epochs"])
 def test_lightning_s_none_interval_is_refused_naming_what_gives_its_saves(name):
     """Lightning's every_n_epochs=None (its default) means 1 or 0 by the other intervals: refused as only 'expected an

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -15,7 +16,13 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.checkpoint_names import LIGHTNING_NAMING, check_naming, is_own_name, last_file_name
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
-from ampkit.lightning_settings import LIGHTNING_NONE_INTERVAL, LIGHTNING_ZERO, lightning_arguments_error
+from ampkit.lightning_settings import (
+    LIGHTNING_NONE_INTERVAL,
+    LIGHTNING_POSITIONAL_ORDER,
+    LIGHTNING_ZERO,
+    lightning_arguments_error,
+    lightning_positional_error,
+)
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
@@ -96,9 +103,19 @@ class ModelCheckpoint(KeyedByMonitor):
         if lightning_only:  # dirpath, filename, save_last...: a port hears what does their work here
             raise lightning_arguments_error(type(self), list(lightning_only))
         check_naming(self, sharded=False)  # a subclass's; one set on the instance later is checked as a fit starts
+        for name, value in (
+            ("every_n_steps", every_n_steps),
+            ("every_n_epochs", every_n_epochs),
+            ("keep_last", keep_last),
+        ):
+            if isinstance(value, (str, os.PathLike)):  # Lightning's dirpath, filename and monitor come first
+                raise lightning_positional_error(type(self), name, value)
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
             if value is None:  # Lightning's default, whose meaning depends on the other intervals
-                raise ValueError(f"ModelCheckpoint: {name}=None is not taken here; {LIGHTNING_NONE_INTERVAL}")
+                raise ValueError(
+                    f"ModelCheckpoint: {name}=None is not taken here; {LIGHTNING_NONE_INTERVAL} (a None given by "
+                    f"position for Lightning's {LIGHTNING_POSITIONAL_ORDER['ModelCheckpoint']}: pass them by keyword)"
+                )
         every_n_steps = interval_option(every_n_steps, "ModelCheckpoint: every_n_steps", zero_means="never")
         every_n_epochs = interval_option(every_n_epochs, "ModelCheckpoint: every_n_epochs", zero_means="never")
         keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")

@@ -12,7 +12,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
-from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
+from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error, lightning_positional_error
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
@@ -61,6 +61,8 @@ class EarlyStopping(KeyedByMonitor):
     ) -> None:
         if lightning_only:  # check_on_train_epoch_end, verbose...: a port hears what does their work here
             raise lightning_arguments_error(type(self), list(lightning_only))
+        if isinstance(mode, numbers.Real) and not isinstance(mode, bool):  # Lightning's min_delta comes second
+            raise lightning_positional_error(type(self), "mode", mode)
         if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
             raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
         patience = interval_option(patience, "EarlyStopping: patience")
