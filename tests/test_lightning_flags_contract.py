@@ -338,6 +338,76 @@ def test_every_lightning_callback_argument_is_taken_or_refused_naming_what_does_
     )
 
 
+@pytest.mark.parametrize("subclassed", [False, True])
+@pytest.mark.parametrize(
+    ("cls", "name", "value"),
+    [(ModelCheckpoint, name, value) for name, value in LIGHTNING_CHECKPOINT_ARGUMENTS.items()]
+    + [(EarlyStopping, name, value) for name, value in LIGHTNING_EARLY_STOPPING_ARGUMENTS.items()],
+)
+def test_every_lightning_attribute_set_after_construction_takes_effect_or_is_refused_naming_what_does_its_work(
+    cls, name, value, subclassed
+):
+    """Lightning's are plain attributes a port sets later (``ckpt.monitor = "val/acc"``, ``ckpt.dirpath = ...``). A
+    monitor set so stayed a str where a Monitor is read (the first save crashed); the others became attributes nothing
+    read. Each now acts as the constructor's argument, or is refused as the constructor refuses it."""
+    built = type(f"My{cls.__name__}", (cls,), {}) if subclassed else cls
+    needs = {"monitor": "val/mse"} if cls is EarlyStopping else {}
+    callback = built(**needs)
+    if name not in inspect.signature(cls.__init__).parameters:
+        with pytest.raises(AttributeError, match=f"^{built.__name__}.{name} = .* is not taken: it is Lightning's"):
+            setattr(callback, name, value)
+        assert name not in vars(callback)
+        return
+    if name == "save_top_k":
+        callback.monitor = "val/loss"
+    setattr(callback, name, value)
+    constructed = built(**{**needs, **({"monitor": "val/loss"} if name == "save_top_k" else {}), name: value})
+    assert str(getattr(callback, name)) == str(value) and callback.state_key == constructed.state_key
+    watched = callback.monitor
+    assert watched is None or (watched.metric, watched.mode, watched.min_delta) == (
+        constructed.monitor.metric, constructed.monitor.mode, constructed.monitor.min_delta
+    )  # fmt: skip
+    assert getattr(callback, "keep_last", None) == getattr(constructed, "keep_last", None)
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "value"),
+    [(ModelCheckpoint, "monitor", 3), (ModelCheckpoint, "mode", "maximum"), (ModelCheckpoint, "save_top_k", 0),
+     (ModelCheckpoint, "save_top_k", 3), (EarlyStopping, "monitor", "val loss\n"), (EarlyStopping, "mode", "up"),
+     (EarlyStopping, "patience", 0), (EarlyStopping, "min_delta", -0.1)],
+)  # fmt: skip
+def test_a_bad_value_set_after_construction_gets_the_constructor_s_error_and_changes_nothing(cls, name, value):
+    needs = {"monitor": "val/mse"} if cls is EarlyStopping else {}
+    with pytest.raises(ValueError) as constructed:
+        cls(**{**needs, name: value})
+    callback = cls(**needs)
+    before = (str(callback.monitor), callback.mode, getattr(callback, name))
+    with pytest.raises(ValueError) as assigned:
+        setattr(callback, name, value)
+    assert str(assigned.value) == str(constructed.value)
+    assert (str(callback.monitor), callback.mode, getattr(callback, name)) == before
+
+
+def test_a_monitor_set_after_construction_ranks_and_stops_the_fit_by_it_and_subclass_attributes_stay_free(tmp_path):
+    """The issue's case: ``ckpt.monitor = "val/mse"`` crashed the first save. A subclass's own attributes, and one of a
+    Lightning name it declares, are its own."""
+
+    class Recording(ModelCheckpoint):
+        verbose: bool = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.verbose, self.calls = True, []
+
+    checkpoint, stopper = Recording(), EarlyStopping("val/other", patience=1, min_delta=1e9)
+    checkpoint.monitor, checkpoint.save_top_k = "val/mse", 2
+    stopper.monitor = "val/mse"
+    run = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 4}), callbacks=[checkpoint, stopper])
+    run.fit()
+    assert len(checkpoint.best_k_models) == 2 and checkpoint.verbose and checkpoint.calls == []
+    assert run.state.epoch < 3 and stopper.stopping_reason_message.startswith("val/mse did not improve")
+
+
 def test_a_callback_s_monitor_compares_equal_to_its_metric_name_as_lightning_s_string_does():
     """Lightning's ``ckpt.monitor`` is the metric's name; here a Monitor, so a port's ``cb.monitor == "val/loss"`` was
     False without a word. Two monitors of one name are still told apart (each callback's own)."""

@@ -15,6 +15,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.checkpoint_names import LIGHTNING_NAMING, check_naming, is_own_name, last_file_name
+from ampkit.callbacks.lightning_attributes import RefusesLightningAttributes
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
 from ampkit.lightning_settings import (
     LIGHTNING_NONE_INTERVAL,
@@ -55,7 +56,7 @@ from ampkit.trainer.waiting import barrier
 from ampkit.wording import shown
 
 
-class ModelCheckpoint(KeyedByMonitor):
+class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
     """Save ``step-N.pt`` every ``every_n_steps`` iterations and ``epoch-N.pt`` every ``every_n_epochs``
     epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt`` (every one of them
     with ``save_top_k=-1`` and no ``monitor``, as Lightning's ModelCheckpoint keeps every save then).
@@ -111,39 +112,15 @@ class ModelCheckpoint(KeyedByMonitor):
             if isinstance(value, (str, os.PathLike)):  # Lightning's dirpath, filename and monitor come first
                 raise lightning_positional_error(type(self), name, value)
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
-            if value is None:  # Lightning's default, whose meaning depends on the other intervals
-                raise ValueError(
-                    f"ModelCheckpoint: {name}=None is not taken here; {LIGHTNING_NONE_INTERVAL} (a None given by "
-                    f"position for Lightning's {LIGHTNING_POSITIONAL_ORDER['ModelCheckpoint']}: pass them by keyword)"
-                )
-        every_n_steps = interval_option(every_n_steps, "ModelCheckpoint: every_n_steps", zero_means="never")
-        every_n_epochs = interval_option(every_n_epochs, "ModelCheckpoint: every_n_epochs", zero_means="never")
-        keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
+            _interval(name, value, positional=True)  # None: Lightning's default, or its dirpath or filename
+        self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs  # each checked as it is set
+        self.keep_last = keep_last
         check_mode(mode)  # without a monitor too, as Lightning: a typo would surface only once one is set
-        if (
-            isinstance(save_top_k, bool)
-            or not isinstance(save_top_k, numbers.Integral)
-            or (save_top_k < 1 and save_top_k != -1)
-        ):  # True kept one file, a str failed in a comparison, 2.5 ranked 2.5 files
-            zero = f"; {LIGHTNING_ZERO['save_top_k']}" if save_top_k == 0 and save_top_k is not False else ""
-            raise ValueError(
-                f"save_top_k {shown(save_top_k)} is invalid; expected an integer >= 1, or -1 (keep every one){zero}"
-            )
-        save_top_k = int(save_top_k)
+        save_top_k = _top_k(save_top_k)
         # 0 or "" was no monitor, silently (the config refuses a blank one)
         # default_callbacks names the config key of the config's
-        self.monitor = None if monitor is None else Monitor(monitor, mode)
-        self._mode = mode
-        if save_top_k not in (1, -1) and self.monitor is None:
-            raise ValueError(
-                f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "
-                "validation metric (val/loss), or keep_last to keep the newest step and epoch files (save_top_k=-1 "
-                "without a monitor keeps every one)"
-            )
-        self.every_n_steps = every_n_steps
-        self.every_n_epochs = every_n_epochs
-        self.keep_last: int | None = None if save_top_k == -1 and self.monitor is None else keep_last  # None: all
-        self.save_top_k = save_top_k
+        self._monitor = _watching(None if monitor is None else Monitor(monitor, mode), save_top_k)
+        self._mode, self._save_top_k = mode, save_top_k
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
         self.kept: list[str] = []  # best-k files ranked by an earlier monitor or mode: neither ranked nor pruned
         self._ranked_by: dict[str, str] = {}  # the monitor and mode of a restored ranking, kept when this run has none
@@ -162,9 +139,77 @@ class ModelCheckpoint(KeyedByMonitor):
         self._named_last: str | None = None  # the CHECKPOINT_NAME_LAST file it wrote last (None: last.pt alone)
 
     @property
+    def monitor(self) -> Monitor | None:
+        """The metric best-k ranks by (equal to its name, as Lightning's string is), or None; a name (or None)
+        assigned after construction (``ckpt.monitor = "val/acc"``, as Lightning allows) is checked as the
+        constructor's, and a ranking by another metric or mode is set aside as a resume by one sets it aside."""
+        return self._monitor
+
+    @monitor.setter
+    def monitor(self, metric: str | None) -> None:
+        self._set_monitor(_watching(None if metric is None else Monitor(metric, self.mode), self.save_top_k))
+
+    @property
     def mode(self) -> str:
-        """Lightning's ``mode``: ``min`` or ``max``, as given (also without a ``monitor``)."""
+        """Lightning's ``mode``: ``min`` or ``max``, as given (also without a ``monitor``); assignable, checked as the
+        constructor's."""
         return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        check_mode(mode)
+        watched = self._monitor
+        self._set_monitor(None if watched is None else Monitor(watched.metric, mode, key=watched.setting))
+        self._mode = mode
+
+    @property
+    def save_top_k(self) -> int:
+        """How many best checkpoints by ``monitor`` are kept (-1: every one); assignable, checked as the
+        constructor's."""
+        return self._save_top_k
+
+    @save_top_k.setter
+    def save_top_k(self, save_top_k: int) -> None:
+        save_top_k = _top_k(save_top_k)
+        _watching(self._monitor, save_top_k)
+        self._save_top_k = save_top_k
+
+    @property
+    def keep_last(self) -> int | None:
+        """How many of the newest step and epoch files are kept; None (every one) with ``save_top_k=-1`` and no
+        ``monitor``, as Lightning's ModelCheckpoint keeps every save then."""
+        return None if self.save_top_k == -1 and self.monitor is None else self._keep_last
+
+    @keep_last.setter
+    def keep_last(self, keep_last: int) -> None:
+        self._keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
+
+    @property
+    def every_n_steps(self) -> int:
+        """Save ``step-N.pt`` every this many iterations (0: never); assignable, checked as the constructor's."""
+        return self._every_n_steps
+
+    @every_n_steps.setter
+    def every_n_steps(self, every_n_steps: int) -> None:
+        self._every_n_steps = _interval("every_n_steps", every_n_steps)
+
+    @property
+    def every_n_epochs(self) -> int:
+        """Save ``epoch-N.pt`` every this many epochs (0: never); assignable, checked as the constructor's."""
+        return self._every_n_epochs
+
+    @every_n_epochs.setter
+    def every_n_epochs(self, every_n_epochs: int) -> None:
+        self._every_n_epochs = _interval("every_n_epochs", every_n_epochs)
+
+    def _set_monitor(self, monitor: Monitor | None) -> None:
+        """Rank by ``monitor`` from now on; the files ranked by another metric or mode are kept, no longer ranked."""
+        before = self._monitor
+        if before is not None and monitor is not None and self.best_k:
+            if monitor.changed_since(before.state_dict()) is not None:
+                self.kept += list(self.best_k)
+                self.best_k, self._current = {}, None
+        self._monitor = monitor
 
     @property
     def best_k_models(self) -> dict[str, float]:
@@ -660,6 +705,45 @@ class ModelCheckpoint(KeyedByMonitor):
         except OSError as exc:
             return str(writing), exc
         return None
+
+
+def _interval(name: str, value: Any, positional: bool = False) -> int:
+    """``every_n_steps`` or ``every_n_epochs`` (``name``) as an int >= 0, else a ValueError naming it; Lightning's None
+    (``positional``: or a None given by position for Lightning's first arguments) says what gives its saves."""
+    if value is None:
+        by_position = (
+            f" (a None given by position for Lightning's {LIGHTNING_POSITIONAL_ORDER['ModelCheckpoint']}: pass them by "
+            "keyword)"
+            if positional
+            else ""
+        )
+        raise ValueError(f"ModelCheckpoint: {name}=None is not taken here; {LIGHTNING_NONE_INTERVAL}{by_position}")
+    return interval_option(value, f"ModelCheckpoint: {name}", zero_means="never")
+
+
+def _top_k(save_top_k: Any) -> int:
+    """``save_top_k`` as an int >= 1 or -1, else a ValueError naming it (and Lightning's 0)."""
+    if (
+        isinstance(save_top_k, bool)
+        or not isinstance(save_top_k, numbers.Integral)
+        or (save_top_k < 1 and save_top_k != -1)
+    ):  # True kept one file, a str failed in a comparison, 2.5 ranked 2.5 files
+        zero = f"; {LIGHTNING_ZERO['save_top_k']}" if save_top_k == 0 and save_top_k is not False else ""
+        raise ValueError(
+            f"save_top_k {shown(save_top_k)} is invalid; expected an integer >= 1, or -1 (keep every one){zero}"
+        )
+    return int(save_top_k)
+
+
+def _watching(monitor: Monitor | None, save_top_k: int) -> Monitor | None:
+    """``monitor``, unless ``save_top_k`` keeps several best checkpoints without one to rank them by."""
+    if save_top_k not in (1, -1) and monitor is None:
+        raise ValueError(
+            f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "
+            "validation metric (val/loss), or keep_last to keep the newest step and epoch files (save_top_k=-1 "
+            "without a monitor keeps every one)"
+        )
+    return monitor
 
 
 def _oldest_of_the_worst(ranked: list[tuple[str, float]]) -> int:

@@ -11,6 +11,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
+from ampkit.callbacks.lightning_attributes import RefusesLightningAttributes
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
 from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error, lightning_positional_error
 from ampkit.ops._switches import checked_switch
@@ -29,7 +30,7 @@ class EarlyStoppingReason(Enum):
     NON_FINITE_METRIC = "non_finite_metric"
 
 
-class EarlyStopping(KeyedByMonitor):
+class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
     """Sets ``trainer.state.should_stop`` after ``patience`` validations in a row without an improvement of
     ``monitor`` by more than ``min_delta`` (``mode``: ``min`` or ``max``); the loop then ends after the
     current batch. A ``train/`` monitor is the epoch mean of a ``log(..., on_epoch=True)`` tag, checked at the end
@@ -63,10 +64,8 @@ class EarlyStopping(KeyedByMonitor):
             raise lightning_arguments_error(type(self), list(lightning_only))
         if isinstance(mode, numbers.Real) and not isinstance(mode, bool):  # Lightning's min_delta comes second
             raise lightning_positional_error(type(self), "mode", mode)
-        if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
-            raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
-        patience = interval_option(patience, "EarlyStopping: patience")
-        self.monitor = Monitor(monitor, mode, min_delta)  # default_callbacks names the config key of the config's
+        self.patience = patience
+        watched = Monitor(monitor, mode, min_delta)  # default_callbacks names the config key of the config's
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
             if value is not None and (
                 isinstance(value, bool)
@@ -75,19 +74,10 @@ class EarlyStopping(KeyedByMonitor):
                 or not math.isfinite(value)
             ):  # a str (or an int no float holds) failed in math.isfinite naming neither; True was a threshold of 1
                 raise ValueError(f"{name} {shown(value)} is invalid; expected a finite number or None")
-        if (
-            stopping_threshold is not None
-            and divergence_threshold is not None
-            and not self.monitor.better(stopping_threshold, divergence_threshold)
-        ):  # every value would stop the run at its first validation
-            raise ValueError(
-                f"stopping_threshold {stopping_threshold} is not better than divergence_threshold "
-                f"{divergence_threshold} in mode {mode!r}: every value would stop the run"
-            )
-        self.check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
         self.stopping_threshold = stopping_threshold
         self.divergence_threshold = divergence_threshold
-        self.patience = patience
+        self._monitor = self._checked(watched)
+        self.check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
         self.best: float | None = None
         self.wait = 0
         self.stopped_epoch = 0  # Lightning's: the epoch (0-based) whose check stopped the run, 0 while none did
@@ -96,14 +86,56 @@ class EarlyStopping(KeyedByMonitor):
         self.stopping_reason_message: str | None = None
 
     @property
+    def monitor(self) -> Monitor:
+        """The monitored metric (equal to its name, as Lightning's string is); a name assigned after construction
+        (``es.monitor = "val/acc"``, as Lightning allows) is checked as the constructor's."""
+        return self._monitor
+
+    @monitor.setter
+    def monitor(self, metric: str) -> None:
+        self._monitor = self._checked(Monitor(metric, self.mode, self.min_delta))
+
+    @property
     def mode(self) -> str:
-        """Lightning's ``mode``: ``min`` or ``max``."""
-        return self.monitor.mode
+        """Lightning's ``mode``: ``min`` or ``max``; assignable, checked as the constructor's."""
+        return self._monitor.mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        self._monitor = self._checked(Monitor(self._monitor.metric, mode, self.min_delta, self._monitor.setting))
 
     @property
     def min_delta(self) -> float:
-        """Lightning's ``min_delta``, as given (>= 0; Lightning's holds it negated in ``min`` mode)."""
-        return self.monitor.min_delta
+        """Lightning's ``min_delta``, as given (>= 0; Lightning's holds it negated in ``min`` mode); assignable, checked
+        as the constructor's."""
+        return self._monitor.min_delta
+
+    @min_delta.setter
+    def min_delta(self, min_delta: float) -> None:
+        self._monitor = Monitor(self._monitor.metric, self.mode, min_delta, self._monitor.setting)
+
+    @property
+    def patience(self) -> int:
+        """The validations in a row without an improvement that stop the run; assignable, checked as the
+        constructor's."""
+        return self._patience
+
+    @patience.setter
+    def patience(self, patience: int) -> None:
+        if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
+            raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
+        self._patience = interval_option(patience, "EarlyStopping: patience")
+
+    def _checked(self, monitor: Monitor) -> Monitor:
+        """``monitor``, once its mode leaves some value between the thresholds (else every value would stop the run at
+        its first validation)."""
+        stopping, divergence = self.stopping_threshold, self.divergence_threshold
+        if stopping is not None and divergence is not None and not monitor.better(stopping, divergence):
+            raise ValueError(
+                f"stopping_threshold {stopping} is not better than divergence_threshold {divergence} in mode "
+                f"{monitor.mode!r}: every value would stop the run"
+            )
+        return monitor
 
     @property
     def wait_count(self) -> int:
