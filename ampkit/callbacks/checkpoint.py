@@ -32,6 +32,7 @@ from ampkit.trainer.checkpoint_io import (
     foreign_file,
     from_storage,
     is_best_k_checkpoint_name,
+    peek_checkpoint,
     refuse_foreign,
     save_atomic,
     unloadable_entry,
@@ -137,6 +138,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         self._inherited: list[str] = []  # a branch's ranked files, in the run it branched from: copied at its save
         self._inherit_from: Path | None = None  # that run's checkpoints directory
         self._named_last: str | None = None  # the CHECKPOINT_NAME_LAST file it wrote last (None: last.pt alone)
+        self._replacing: str | None = None  # the one before it, which that save removed (a kill may have left it)
 
     @property
     def monitor(self) -> Monitor | None:
@@ -323,7 +325,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             # would have; its first save copies the ranked files in (on every rank alike: all save shards).
             self._inherited, self._inherit_from = list(self.best_k), trainer.fit_start.branched_from.parent
             self.kept, self._newest, self._protected_before = [], None, []
-            self._named_last = None  # that run's named last file is in its own directory: not this one's to remove
+            self._named_last = self._replacing = None  # that run's named files are in its directory: not this one's
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
         # every rank here, or the others would train on into a collective it never joins.
         decided_by_rank_zero(partial(self._tidy, trainer, peers), trainer.dist)
@@ -334,6 +336,8 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         self._protected = {directory / name for name in self._protected_before}  # said once in the run, not per resume
         if not directory.is_dir():
             return
+        if self._restored:
+            self._remove_replaced_last(directory)
         if not self._restored or (self.monitor is None and not self.best_k and not self.kept):
             # No ranking of its own to tidy by: the best files there are another ModelCheckpoint's, or of a ranking
             # a resume did not restore (named in its warning), and stay.
@@ -354,6 +358,19 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         else:
             self._recopy_best(directory)
         self._prune(directory)
+
+    def _remove_replaced_last(self, directory: Path) -> None:
+        """Remove the ``CHECKPOINT_NAME_LAST`` copy the resumed save replaced, where a kill before its removal left it:
+        only a file provably that copy (its own state names it as its copy), never a user's under its name."""
+        name = self._replacing
+        if name is None or name == self._named_last:
+            return
+        path = directory / name
+        if path.is_symlink() or not path.is_file() or not _names_itself_last(path):
+            return
+        with _deleting(directory, "the CHECKPOINT_NAME_LAST copy a killed save was replacing"):
+            for left in deletable([path], self._protected):  # a write-protected one stays, named in a warning
+                left.unlink(missing_ok=True)
 
     def _copy_resumed_moment(self, trainer, directory: Path) -> None:
         """Make the resumed moment's best-k copy where its ranking names one that is missing: a sharded run's first
@@ -471,6 +488,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         newest = {} if self._newest is None else {"newest": self._newest}
         current = {} if self._current is None else {"current_score": self._current}
         named = {} if self._named_last is None else {"named_last": self._named_last}
+        replacing = {} if self._replacing is None else {"replacing_last": self._replacing}
         return {
             "best_k": dict(self.best_k),
             "kept": list(self.kept),
@@ -478,6 +496,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             **newest,
             **current,
             **named,
+            **replacing,
             **ranked_by,
         }
 
@@ -498,13 +517,16 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         best_k, kept, protected = dict(state.get("best_k", {})), list(state.get("kept", [])), state.get("protected", [])
         newest = state.get("newest")  # absent before this ampkit, and before a first save
         named = state.get("named_last")  # as newest, and where CHECKPOINT_NAME_LAST was 'last'
-        self._check_names([*best_k, *kept], [*protected, *(name for name in (newest, named) if name is not None)])
-        if named is not None and is_own_name(named):  # the next save would remove that file as the previous copy
-            raise CheckpointError(
-                f"the checkpoint's {self.state_key} state names {named!r} as its CHECKPOINT_NAME_LAST copy, which is "
-                "the name of one of ampkit's own checkpoint files: the checkpoint was edited or is damaged; resume an "
-                "earlier one"
-            )
+        replacing = state.get("replacing_last")  # as named_last, and where no earlier copy was replaced
+        files = (name for name in (newest, named, replacing) if name is not None)
+        self._check_names([*best_k, *kept], [*protected, *files])
+        for copy in (named, replacing):  # the next save (or the resume) would remove that file as a previous copy
+            if copy is not None and is_own_name(copy):
+                raise CheckpointError(
+                    f"the checkpoint's {self.state_key} state names {copy!r} as a CHECKPOINT_NAME_LAST copy, which is "
+                    "the name of one of ampkit's own checkpoint files: the checkpoint was edited or is damaged; resume "
+                    "an earlier one"
+                )
         current = state.get("current_score")  # as newest
         if current is not None and (isinstance(current, bool) or not isinstance(current, numbers.Real)):
             raise CheckpointError(
@@ -513,7 +535,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             )
         # Only once all of it is checked: a refused state leaves the ranking this callback had.
         self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
-        self._newest, self._named_last = newest, named
+        self._newest, self._named_last, self._replacing = newest, named, replacing
         self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
@@ -549,14 +571,15 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             return self._save(trainer, filename, best)
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
-        previous, named = self._newest, self._named_last
+        previous, named, replacing = self._newest, self._named_last, self._replacing
         if filename != best:  # a step or epoch file (a best-k one alone is named after its ranking), recorded first:
             self._newest = Path(filename).stem if trainer.sharded else filename  # its own state names it
         self._named_last = last_file_name(self, trainer.state.epoch, trainer.state.global_step)  # as Lightning's, first
+        self._replacing = named if named != self._named_last else None  # its state names both: a resume finds both
         try:
             return self._write_everywhere(trainer, filename, best, named)
         except BaseException:  # a failed save (a full disk): best_model_path names the file before it, which is there
-            self._newest, self._named_last = previous, named
+            self._newest, self._named_last, self._replacing = previous, named, replacing
             raise
 
     def _write_everywhere(self, trainer, filename: str, best: str | None, named: str | None) -> Path | None:
@@ -744,6 +767,15 @@ def _watching(monitor: Monitor | None, save_top_k: int) -> Monitor | None:
             "without a monitor keeps every one)"
         )
     return monitor
+
+
+def _names_itself_last(path: Path) -> bool:
+    """Whether checkpoint file ``path`` is a ``CHECKPOINT_NAME_LAST`` copy ampkit wrote: a ModelCheckpoint's state in
+    it names the file by its own name (a copy of ``last.pt`` a user made under that name names another)."""
+    states = (peek_checkpoint(path) or {}).get("callbacks")
+    return isinstance(states, dict) and any(
+        isinstance(state, dict) and state.get("named_last") == path.name for state in states.values()
+    )
 
 
 def _oldest_of_the_worst(ranked: list[tuple[str, float]]) -> int:
