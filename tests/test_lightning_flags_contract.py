@@ -408,6 +408,19 @@ def test_a_monitor_set_after_construction_ranks_and_stops_the_fit_by_it_and_subc
     assert run.state.epoch < 3 and stopper.stopping_reason_message.startswith("val/mse did not improve")
 
 
+def test_a_monitor_or_mode_set_after_a_ranking_ranks_and_counts_afresh_as_a_resume_by_another_one_does():
+    """Values of another metric or direction rank nothing: pruning by them would drop the wrong best files."""
+    checkpoint, stopper = ModelCheckpoint(monitor="val/loss", save_top_k=2), EarlyStopping("val/loss")
+    checkpoint.best_k, stopper.best, stopper.wait = {"best-00000004.pt": 0.5}, 0.5, 2
+    checkpoint.mode, stopper.min_delta = "min", 0.1  # the same metric and mode: the ranking and count stand
+    assert checkpoint.best_k and (stopper.best, stopper.wait) == (0.5, 2)
+    checkpoint.mode, stopper.monitor = "max", "val/acc"
+    assert (checkpoint.best_k, checkpoint.kept) == ({}, ["best-00000004.pt"]) and (stopper.best, stopper.wait) == (
+        None,
+        0,
+    )
+
+
 def test_a_callback_s_monitor_compares_equal_to_its_metric_name_as_lightning_s_string_does():
     """Lightning's ``ckpt.monitor`` is the metric's name; here a Monitor, so a port's ``cb.monitor == "val/loss"`` was
     False without a word. Two monitors of one name are still told apart (each callback's own)."""

@@ -93,7 +93,7 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
 
     @monitor.setter
     def monitor(self, metric: str) -> None:
-        self._monitor = self._checked(Monitor(metric, self.mode, self.min_delta))
+        self._watch(self._checked(Monitor(metric, self.mode, self.min_delta)))
 
     @property
     def mode(self) -> str:
@@ -102,7 +102,7 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
 
     @mode.setter
     def mode(self, mode: str) -> None:
-        self._monitor = self._checked(Monitor(self._monitor.metric, mode, self.min_delta, self._monitor.setting))
+        self._watch(self._checked(Monitor(self._monitor.metric, mode, self.min_delta, self._monitor.setting)))
 
     @property
     def min_delta(self) -> float:
@@ -125,6 +125,13 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
         if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
             raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
         self._patience = interval_option(patience, "EarlyStopping: patience")
+
+    def _watch(self, monitor: Monitor) -> None:
+        """Watch ``monitor`` from now on; the best value of another metric or mode is none of it, so patience counts
+        afresh (as a resume by another one counts)."""
+        if monitor.changed_since(self._monitor.state_dict()) is not None:
+            self.best, self.wait = None, 0
+        self._monitor = monitor
 
     def _checked(self, monitor: Monitor) -> Monitor:
         """``monitor``, once its mode leaves some value between the thresholds (else every value would stop the run at
