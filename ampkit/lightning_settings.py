@@ -132,12 +132,13 @@ LIGHTNING_POSITIONAL_ORDER: dict[str, str] = {
 def lightning_positional_error(cls: type, name: str, value: Any) -> ValueError:
     """The refusal of ``value`` given for ``cls``'s argument ``name`` where a call by Lightning's positional order puts
     one of its other arguments (``EarlyStopping("val_loss", 0.01, 5)``: min_delta where ampkit takes ``mode``)."""
-    base = next((k.__name__ for k in cls.__mro__ if k.__name__ in LIGHTNING_POSITIONAL_ORDER), cls.__name__)
-    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    base = next(k for k in cls.__mro__ if k.__name__ in LIGHTNING_POSITIONAL_ORDER)  # a subclass's own __init__ aside
+    parameters = list(inspect.signature(base.__init__).parameters.values())[1:]
     ours = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     return ValueError(
         f"{cls.__name__}: {name}={shown(value)} is invalid, and the call looks like Lightning's positional order "
-        f"({LIGHTNING_POSITIONAL_ORDER[base]}); pass them by keyword, as {base}'s own order is ({', '.join(ours)})"
+        f"({LIGHTNING_POSITIONAL_ORDER[base.__name__]}); pass them by keyword, as {base.__name__}'s own order is "
+        f"({', '.join(ours)})"
     )
 
 
