@@ -374,11 +374,12 @@ def test_every_lightning_attribute_set_after_construction_takes_effect_or_is_ref
     ("cls", "name", "value"),
     [(ModelCheckpoint, "monitor", 3), (ModelCheckpoint, "mode", "maximum"), (ModelCheckpoint, "save_top_k", 0),
      (ModelCheckpoint, "save_top_k", 3), (EarlyStopping, "monitor", "val loss\n"), (EarlyStopping, "mode", "up"),
-     (EarlyStopping, "patience", 0), (EarlyStopping, "min_delta", -0.1)],
+     (EarlyStopping, "patience", 0), (EarlyStopping, "min_delta", -0.1), (EarlyStopping, "check_finite", "False"),
+     (EarlyStopping, "stopping_threshold", float("nan")), (EarlyStopping, "divergence_threshold", "10")],
 )  # fmt: skip
 def test_a_bad_value_set_after_construction_gets_the_constructor_s_error_and_changes_nothing(cls, name, value):
     needs = {"monitor": "val/mse"} if cls is EarlyStopping else {}
-    with pytest.raises(ValueError) as constructed:
+    with pytest.raises(ValueError) as constructed:  # check_finite's ArgumentTypeError is a ValueError too
         cls(**{**needs, name: value})
     callback = cls(**needs)
     before = (str(callback.monitor), callback.mode, getattr(callback, name))

@@ -66,18 +66,11 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
             raise lightning_positional_error(type(self), "mode", mode)
         self.patience = patience
         watched = Monitor(monitor, mode, min_delta)  # default_callbacks names the config key of the config's
-        for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Real)
-                or beyond_float(value)
-                or not math.isfinite(value)
-            ):  # a str (or an int no float holds) failed in math.isfinite naming neither; True was a threshold of 1
-                raise ValueError(f"{name} {shown(value)} is invalid; expected a finite number or None")
-        self.stopping_threshold = stopping_threshold
-        self.divergence_threshold = divergence_threshold
-        self._monitor = self._checked(watched)
-        self.check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
+        stopping = _threshold("stopping_threshold", stopping_threshold)
+        divergence = _threshold("divergence_threshold", divergence_threshold)
+        self._monitor = _checked(watched, stopping, divergence)
+        self._stopping_threshold, self._divergence_threshold = stopping, divergence
+        self.check_finite = check_finite
         self.best: float | None = None
         self.wait = 0
         self.stopped_epoch = 0  # Lightning's: the epoch (0-based) whose check stopped the run, 0 while none did
@@ -93,7 +86,7 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
 
     @monitor.setter
     def monitor(self, metric: str) -> None:
-        self._watch(self._checked(Monitor(metric, self.mode, self.min_delta)))
+        self._watch(self._thresholds_kept(Monitor(metric, self.mode, self.min_delta)))
 
     @property
     def mode(self) -> str:
@@ -102,7 +95,7 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
 
     @mode.setter
     def mode(self, mode: str) -> None:
-        self._watch(self._checked(Monitor(self._monitor.metric, mode, self.min_delta, self._monitor.setting)))
+        self._watch(self._thresholds_kept(Monitor(self._monitor.metric, mode, self.min_delta, self._monitor.setting)))
 
     @property
     def min_delta(self) -> float:
@@ -133,16 +126,40 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
             self.best, self.wait = None, 0
         self._monitor = monitor
 
-    def _checked(self, monitor: Monitor) -> Monitor:
-        """``monitor``, once its mode leaves some value between the thresholds (else every value would stop the run at
-        its first validation)."""
-        stopping, divergence = self.stopping_threshold, self.divergence_threshold
-        if stopping is not None and divergence is not None and not monitor.better(stopping, divergence):
-            raise ValueError(
-                f"stopping_threshold {stopping} is not better than divergence_threshold {divergence} in mode "
-                f"{monitor.mode!r}: every value would stop the run"
-            )
-        return monitor
+    def _thresholds_kept(self, monitor: Monitor) -> Monitor:
+        """``monitor``, once its mode leaves some value between this callback's thresholds."""
+        return _checked(monitor, self.stopping_threshold, self.divergence_threshold)
+
+    @property
+    def stopping_threshold(self) -> float | None:
+        """Stop at the first value better than this (None: never); assignable, checked as the constructor's."""
+        return self._stopping_threshold
+
+    @stopping_threshold.setter
+    def stopping_threshold(self, value: float | None) -> None:
+        value = _threshold("stopping_threshold", value)
+        _checked(self._monitor, value, self.divergence_threshold)
+        self._stopping_threshold = value
+
+    @property
+    def divergence_threshold(self) -> float | None:
+        """Stop at the first value worse than this (None: never); assignable, checked as the constructor's."""
+        return self._divergence_threshold
+
+    @divergence_threshold.setter
+    def divergence_threshold(self, value: float | None) -> None:
+        value = _threshold("divergence_threshold", value)
+        _checked(self._monitor, self.stopping_threshold, value)
+        self._divergence_threshold = value
+
+    @property
+    def check_finite(self) -> bool:
+        """Stop at the first NaN/inf value; assignable, checked as the constructor's (``"False"`` is no switch)."""
+        return self._check_finite
+
+    @check_finite.setter
+    def check_finite(self, check_finite: bool) -> None:
+        self._check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
 
     @property
     def wait_count(self) -> int:
@@ -241,6 +258,29 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
         if message is not None and not isinstance(message, str):
             raise _damaged("stopping_reason_message", message, "a string or None")
         self.stopping_reason_message = message
+
+
+def _threshold(name: str, value: Any) -> float | None:
+    """``value`` of threshold ``name`` if it is None or a finite number, else a ValueError naming it."""
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or beyond_float(value)
+        or not math.isfinite(value)
+    ):  # a str (or an int no float holds) failed in math.isfinite naming neither; True was a threshold of 1
+        raise ValueError(f"{name} {shown(value)} is invalid; expected a finite number or None")
+    return value
+
+
+def _checked(monitor: Monitor, stopping: float | None, divergence: float | None) -> Monitor:
+    """``monitor``, once its mode leaves some value between the thresholds ``stopping`` and ``divergence`` (else every
+    value would stop the run at its first validation)."""
+    if stopping is not None and divergence is not None and not monitor.better(stopping, divergence):
+        raise ValueError(
+            f"stopping_threshold {stopping} is not better than divergence_threshold {divergence} in mode "
+            f"{monitor.mode!r}: every value would stop the run"
+        )
+    return monitor
 
 
 def _damaged(key: str, value: Any, valid: str) -> ValueError:
