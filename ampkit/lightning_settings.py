@@ -5,6 +5,9 @@ user types name it (``val_check_interval`` is ``trainer.val_every_n_steps``) ins
 from __future__ import annotations
 
 import inspect
+from typing import Any
+
+from ampkit.wording import shown
 
 # name -> its config key, or "no config key: " and what to set instead; read as "<name> is <value>".
 LIGHTNING_SETTINGS: dict[str, str] = {
@@ -117,6 +120,26 @@ LIGHTNING_CALLBACK_ARGUMENTS: dict[str, dict[str, str]] = {
         "log_rank_zero_only": "rank zero alone says why the run stopped",
     },
 }
+
+
+# Lightning's order of each class's first arguments: a positional call written for it binds them to ampkit's others.
+LIGHTNING_POSITIONAL_ORDER: dict[str, str] = {
+    "ModelCheckpoint": "dirpath, filename, monitor, verbose, save_last, save_top_k",
+    "EarlyStopping": "monitor, min_delta, patience",
+}
+
+
+def lightning_positional_error(cls: type, name: str, value: Any) -> ValueError:
+    """The refusal of ``value`` given for ``cls``'s argument ``name`` where a call by Lightning's positional order puts
+    one of its other arguments (``EarlyStopping("val_loss", 0.01, 5)``: min_delta where ampkit takes ``mode``)."""
+    base = next(k for k in cls.__mro__ if k.__name__ in LIGHTNING_POSITIONAL_ORDER)  # a subclass's own __init__ aside
+    parameters = list(inspect.signature(base.__init__).parameters.values())[1:]
+    ours = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    return ValueError(
+        f"{cls.__name__}: {name}={shown(value)} is invalid, and the call looks like Lightning's positional order "
+        f"({LIGHTNING_POSITIONAL_ORDER[base.__name__]}); pass them by keyword, as {base.__name__}'s own order is "
+        f"({', '.join(ours)})"
+    )
 
 
 def lightning_arguments_error(cls: type, names: list[str]) -> TypeError:

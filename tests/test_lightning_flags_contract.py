@@ -338,6 +338,90 @@ def test_every_lightning_callback_argument_is_taken_or_refused_naming_what_does_
     )
 
 
+@pytest.mark.parametrize("subclassed", [False, True])
+@pytest.mark.parametrize(
+    ("cls", "name", "value"),
+    [(ModelCheckpoint, name, value) for name, value in LIGHTNING_CHECKPOINT_ARGUMENTS.items()]
+    + [(EarlyStopping, name, value) for name, value in LIGHTNING_EARLY_STOPPING_ARGUMENTS.items()],
+)
+def test_every_lightning_attribute_set_after_construction_takes_effect_or_is_refused_naming_what_does_its_work(
+    cls, name, value, subclassed
+):
+    """Lightning's are plain attributes a port sets later (``ckpt.monitor = "val/acc"``, ``ckpt.dirpath = ...``). A
+    monitor set so stayed a str where a Monitor is read (the first save crashed); the others became attributes nothing
+    read. Each now acts as the constructor's argument, or is refused as the constructor refuses it."""
+    built = type(f"My{cls.__name__}", (cls,), {}) if subclassed else cls
+    needs = {"monitor": "val/mse"} if cls is EarlyStopping else {}
+    callback = built(**needs)
+    if name not in inspect.signature(cls.__init__).parameters:
+        with pytest.raises(AttributeError, match=f"^{built.__name__}.{name} = .* is not taken: it is Lightning's"):
+            setattr(callback, name, value)
+        assert name not in vars(callback)
+        return
+    if name == "save_top_k":
+        callback.monitor = "val/loss"
+    setattr(callback, name, value)
+    constructed = built(**{**needs, **({"monitor": "val/loss"} if name == "save_top_k" else {}), name: value})
+    assert str(getattr(callback, name)) == str(value) and callback.state_key == constructed.state_key
+    watched = callback.monitor
+    assert watched is None or (watched.metric, watched.mode, watched.min_delta) == (
+        constructed.monitor.metric, constructed.monitor.mode, constructed.monitor.min_delta
+    )  # fmt: skip
+    assert getattr(callback, "keep_last", None) == getattr(constructed, "keep_last", None)
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "value"),
+    [(ModelCheckpoint, "monitor", 3), (ModelCheckpoint, "mode", "maximum"), (ModelCheckpoint, "save_top_k", 0),
+     (ModelCheckpoint, "save_top_k", 3), (EarlyStopping, "monitor", "val loss\n"), (EarlyStopping, "mode", "up"),
+     (EarlyStopping, "patience", 0), (EarlyStopping, "min_delta", -0.1), (EarlyStopping, "check_finite", "False"),
+     (EarlyStopping, "stopping_threshold", float("nan")), (EarlyStopping, "divergence_threshold", "10")],
+)  # fmt: skip
+def test_a_bad_value_set_after_construction_gets_the_constructor_s_error_and_changes_nothing(cls, name, value):
+    needs = {"monitor": "val/mse"} if cls is EarlyStopping else {}
+    with pytest.raises(ValueError) as constructed:  # check_finite's ArgumentTypeError is a ValueError too
+        cls(**{**needs, name: value})
+    callback = cls(**needs)
+    before = (str(callback.monitor), callback.mode, getattr(callback, name))
+    with pytest.raises(ValueError) as assigned:
+        setattr(callback, name, value)
+    assert str(assigned.value) == str(constructed.value)
+    assert (str(callback.monitor), callback.mode, getattr(callback, name)) == before
+
+
+def test_a_monitor_set_after_construction_ranks_and_stops_the_fit_by_it_and_subclass_attributes_stay_free(tmp_path):
+    """The issue's case: ``ckpt.monitor = "val/mse"`` crashed the first save. A subclass's own attributes, and one of a
+    Lightning name it declares, are its own."""
+
+    class Recording(ModelCheckpoint):
+        verbose: bool = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.verbose, self.calls = True, []
+
+    checkpoint, stopper = Recording(), EarlyStopping("val/other", patience=1, min_delta=1e9)
+    checkpoint.monitor, checkpoint.save_top_k = "val/mse", 2
+    stopper.monitor = "val/mse"
+    run = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 4}), callbacks=[checkpoint, stopper])
+    run.fit()
+    assert len(checkpoint.best_k_models) == 2 and checkpoint.verbose and checkpoint.calls == []
+    assert run.state.epoch < 3 and stopper.stopping_reason_message.startswith("val/mse did not improve")
+
+
+def test_a_monitor_or_mode_set_after_a_ranking_ranks_and_counts_afresh_as_a_resume_by_another_one_does():
+    """Values of another metric or direction rank nothing: pruning by them would drop the wrong best files."""
+    checkpoint, stopper = ModelCheckpoint(monitor="val/loss", save_top_k=2), EarlyStopping("val/loss")
+    checkpoint.best_k, stopper.best, stopper.wait = {"best-00000004.pt": 0.5}, 0.5, 2
+    checkpoint.mode, stopper.min_delta = "min", 0.1  # the same metric and mode: the ranking and count stand
+    assert checkpoint.best_k and (stopper.best, stopper.wait) == (0.5, 2)
+    checkpoint.mode, stopper.monitor = "max", "val/acc"
+    assert (checkpoint.best_k, checkpoint.kept) == ({}, ["best-00000004.pt"]) and (stopper.best, stopper.wait) == (
+        None,
+        0,
+    )
+
+
 def test_a_callback_s_monitor_compares_equal_to_its_metric_name_as_lightning_s_string_does():
     """Lightning's ``ckpt.monitor`` is the metric's name; here a Monitor, so a port's ``cb.monitor == "val/loss"`` was
     False without a word. Two monitors of one name are still told apart (each callback's own)."""
@@ -345,6 +429,25 @@ def test_a_callback_s_monitor_compares_equal_to_its_metric_name_as_lightning_s_s
     assert checkpoint.monitor == "val/loss" == stopper.monitor and "val/loss" == checkpoint.monitor
     assert checkpoint.monitor != "val/acc" and checkpoint.monitor in {"val/loss"}
     assert checkpoint.monitor != stopper.monitor and ModelCheckpoint().monitor is None
+
+
+@pytest.mark.parametrize(
+    ("build", "given", "order"),
+    [
+        (lambda: EarlyStopping("val/loss", 0.01, 5), "mode=0.01", "(monitor, min_delta, patience)"),
+        (lambda: EarlyStopping("val/loss", 0), "mode=0", "(monitor, min_delta, patience)"),
+        (lambda: ModelCheckpoint("ckpts/"), "every_n_steps='ckpts/'", "(dirpath, filename, monitor, verbose"),
+        (lambda: ModelCheckpoint(None, "{epoch}"), "every_n_epochs='{epoch}'", "(dirpath, filename, monitor, verbose"),
+        (lambda: ModelCheckpoint(None, None, "val/loss"), "keep_last='val/loss'", "(dirpath, filename, monitor,"),
+        (lambda: ModelCheckpoint(None), "every_n_steps=None is not taken here", "position for Lightning's dirpath"),
+    ],
+)  # fmt: skip
+def test_a_call_by_lightning_s_positional_order_is_refused_saying_so(build, given, order):
+    """EarlyStopping("val_loss", 0.01, 5) is Lightning's (monitor, min_delta, patience): here 0.01 lands on mode,
+    refused as an invalid mode without saying why; ModelCheckpoint("ckpts/") put the dirpath on every_n_steps."""
+    with pytest.raises(ValueError) as refused:
+        build()
+    assert given in str(refused.value) and order in str(refused.value) and "by keyword" in str(refused.value)
 
 
 @pytest.mark.parametrize("name", ["every_n_steps", "every_n_epochs"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -14,8 +15,15 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.checkpoint_names import LIGHTNING_NAMING, check_naming, is_own_name, last_file_name
+from ampkit.callbacks.lightning_attributes import RefusesLightningAttributes
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
-from ampkit.lightning_settings import LIGHTNING_NONE_INTERVAL, LIGHTNING_ZERO, lightning_arguments_error
+from ampkit.lightning_settings import (
+    LIGHTNING_NONE_INTERVAL,
+    LIGHTNING_POSITIONAL_ORDER,
+    LIGHTNING_ZERO,
+    lightning_arguments_error,
+    lightning_positional_error,
+)
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
@@ -24,6 +32,7 @@ from ampkit.trainer.checkpoint_io import (
     foreign_file,
     from_storage,
     is_best_k_checkpoint_name,
+    peek_checkpoint,
     refuse_foreign,
     save_atomic,
     unloadable_entry,
@@ -49,7 +58,7 @@ from ampkit.trainer.waiting import barrier
 from ampkit.wording import shown
 
 
-class ModelCheckpoint(KeyedByMonitor):
+class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
     """Save ``step-N.pt`` every ``every_n_steps`` iterations and ``epoch-N.pt`` every ``every_n_epochs``
     epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt`` (every one of them
     with ``save_top_k=-1`` and no ``monitor``, as Lightning's ModelCheckpoint keeps every save then).
@@ -97,37 +106,23 @@ class ModelCheckpoint(KeyedByMonitor):
         if lightning_only:  # dirpath, filename, save_last...: a port hears what does their work here
             raise lightning_arguments_error(type(self), list(lightning_only))
         check_naming(self, sharded=False)  # a subclass's; one set on the instance later is checked as a fit starts
+        for name, value in (
+            ("every_n_steps", every_n_steps),
+            ("every_n_epochs", every_n_epochs),
+            ("keep_last", keep_last),
+        ):
+            if isinstance(value, (str, os.PathLike)):  # Lightning's dirpath, filename and monitor come first
+                raise lightning_positional_error(type(self), name, value)
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
-            if value is None:  # Lightning's default, whose meaning depends on the other intervals
-                raise ValueError(f"ModelCheckpoint: {name}=None is not taken here; {LIGHTNING_NONE_INTERVAL}")
-        every_n_steps = interval_option(every_n_steps, "ModelCheckpoint: every_n_steps", zero_means="never")
-        every_n_epochs = interval_option(every_n_epochs, "ModelCheckpoint: every_n_epochs", zero_means="never")
-        keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
+            _interval(name, value, positional=True)  # None: Lightning's default, or its dirpath or filename
+        self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs  # each checked as it is set
+        self.keep_last = keep_last
         check_mode(mode)  # without a monitor too, as Lightning: a typo would surface only once one is set
-        if (
-            isinstance(save_top_k, bool)
-            or not isinstance(save_top_k, numbers.Integral)
-            or (save_top_k < 1 and save_top_k != -1)
-        ):  # True kept one file, a str failed in a comparison, 2.5 ranked 2.5 files
-            zero = f"; {LIGHTNING_ZERO['save_top_k']}" if save_top_k == 0 and save_top_k is not False else ""
-            raise ValueError(
-                f"save_top_k {shown(save_top_k)} is invalid; expected an integer >= 1, or -1 (keep every one){zero}"
-            )
-        save_top_k = int(save_top_k)
+        save_top_k = _top_k(save_top_k)
         # 0 or "" was no monitor, silently (the config refuses a blank one)
         # default_callbacks names the config key of the config's
-        self.monitor = None if monitor is None else Monitor(monitor, mode)
-        self._mode = mode
-        if save_top_k not in (1, -1) and self.monitor is None:
-            raise ValueError(
-                f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "
-                "validation metric (val/loss), or keep_last to keep the newest step and epoch files (save_top_k=-1 "
-                "without a monitor keeps every one)"
-            )
-        self.every_n_steps = every_n_steps
-        self.every_n_epochs = every_n_epochs
-        self.keep_last: int | None = None if save_top_k == -1 and self.monitor is None else keep_last  # None: all
-        self.save_top_k = save_top_k
+        self._monitor = _watching(None if monitor is None else Monitor(monitor, mode), save_top_k)
+        self._mode, self._save_top_k = mode, save_top_k
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
         self.kept: list[str] = []  # best-k files ranked by an earlier monitor or mode: neither ranked nor pruned
         self._ranked_by: dict[str, str] = {}  # the monitor and mode of a restored ranking, kept when this run has none
@@ -145,11 +140,80 @@ class ModelCheckpoint(KeyedByMonitor):
         self._inherit_from: Path | None = None  # that run's checkpoints directory
         self._branched_newest = ""  # a branch's best_model_path without a monitor until it saves: its origin's file
         self._named_last: str | None = None  # the CHECKPOINT_NAME_LAST file it wrote last (None: last.pt alone)
+        self._replacing: str | None = None  # the one before it, which that save removed (a kill may have left it)
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The metric best-k ranks by (equal to its name, as Lightning's string is), or None; a name (or None)
+        assigned after construction (``ckpt.monitor = "val/acc"``, as Lightning allows) is checked as the
+        constructor's, and a ranking by another metric or mode is set aside as a resume by one sets it aside."""
+        return self._monitor
+
+    @monitor.setter
+    def monitor(self, metric: str | None) -> None:
+        self._set_monitor(_watching(None if metric is None else Monitor(metric, self.mode), self.save_top_k))
 
     @property
     def mode(self) -> str:
-        """Lightning's ``mode``: ``min`` or ``max``, as given (also without a ``monitor``)."""
+        """Lightning's ``mode``: ``min`` or ``max``, as given (also without a ``monitor``); assignable, checked as the
+        constructor's."""
         return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        check_mode(mode)
+        watched = self._monitor
+        self._set_monitor(None if watched is None else Monitor(watched.metric, mode, key=watched.setting))
+        self._mode = mode
+
+    @property
+    def save_top_k(self) -> int:
+        """How many best checkpoints by ``monitor`` are kept (-1: every one); assignable, checked as the
+        constructor's."""
+        return self._save_top_k
+
+    @save_top_k.setter
+    def save_top_k(self, save_top_k: int) -> None:
+        save_top_k = _top_k(save_top_k)
+        _watching(self._monitor, save_top_k)
+        self._save_top_k = save_top_k
+
+    @property
+    def keep_last(self) -> int | None:
+        """How many of the newest step and epoch files are kept; None (every one) with ``save_top_k=-1`` and no
+        ``monitor``, as Lightning's ModelCheckpoint keeps every save then."""
+        return None if self.save_top_k == -1 and self.monitor is None else self._keep_last
+
+    @keep_last.setter
+    def keep_last(self, keep_last: int) -> None:
+        self._keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
+
+    @property
+    def every_n_steps(self) -> int:
+        """Save ``step-N.pt`` every this many iterations (0: never); assignable, checked as the constructor's."""
+        return self._every_n_steps
+
+    @every_n_steps.setter
+    def every_n_steps(self, every_n_steps: int) -> None:
+        self._every_n_steps = _interval("every_n_steps", every_n_steps)
+
+    @property
+    def every_n_epochs(self) -> int:
+        """Save ``epoch-N.pt`` every this many epochs (0: never); assignable, checked as the constructor's."""
+        return self._every_n_epochs
+
+    @every_n_epochs.setter
+    def every_n_epochs(self, every_n_epochs: int) -> None:
+        self._every_n_epochs = _interval("every_n_epochs", every_n_epochs)
+
+    def _set_monitor(self, monitor: Monitor | None) -> None:
+        """Rank by ``monitor`` from now on; the files ranked by another metric or mode are kept, no longer ranked."""
+        before = self._monitor
+        if before is not None and monitor is not None and self.best_k:
+            if monitor.changed_since(before.state_dict()) is not None:
+                self.kept += list(self.best_k)
+                self.best_k, self._current = {}, None
+        self._monitor = monitor
 
     @property
     def best_k_models(self) -> dict[str, float]:
@@ -276,7 +340,7 @@ class ModelCheckpoint(KeyedByMonitor):
                 named if named is not None and named.exists() else trainer.fit_start.branched_from
             )
             self.kept, self._newest, self._protected_before = [], None, []
-            self._named_last = None  # that run's named last file is in its own directory: not this one's to remove
+            self._named_last = self._replacing = None  # that run's named files are in its directory: not this one's
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
         # every rank here, or the others would train on into a collective it never joins.
         decided_by_rank_zero(partial(self._tidy, trainer, peers), trainer.dist)
@@ -287,6 +351,8 @@ class ModelCheckpoint(KeyedByMonitor):
         self._protected = {directory / name for name in self._protected_before}  # said once in the run, not per resume
         if not directory.is_dir():
             return
+        if self._restored:
+            self._remove_replaced_last(directory)
         if not self._restored or (self.monitor is None and not self.best_k and not self.kept):
             # No ranking of its own to tidy by: the best files there are another ModelCheckpoint's, or of a ranking
             # a resume did not restore (named in its warning), and stay.
@@ -307,6 +373,19 @@ class ModelCheckpoint(KeyedByMonitor):
         else:
             self._recopy_best(directory)
         self._prune(directory)
+
+    def _remove_replaced_last(self, directory: Path) -> None:
+        """Remove the ``CHECKPOINT_NAME_LAST`` copy the resumed save replaced, where a kill before its removal left it:
+        only a file provably that copy (its own state names it as its copy), never a user's under its name."""
+        name = self._replacing
+        if name is None or name == self._named_last:
+            return
+        path = directory / name
+        if path.is_symlink() or not path.is_file() or not _names_itself_last(path):
+            return
+        with _deleting(directory, "the CHECKPOINT_NAME_LAST copy a killed save was replacing"):
+            for left in deletable([path], self._protected):  # a write-protected one stays, named in a warning
+                left.unlink(missing_ok=True)
 
     def _copy_resumed_moment(self, trainer, directory: Path) -> None:
         """Make the resumed moment's best-k copy where its ranking names one that is missing: a sharded run's first
@@ -424,6 +503,7 @@ class ModelCheckpoint(KeyedByMonitor):
         newest = {} if self._newest is None else {"newest": self._newest}
         current = {} if self._current is None else {"current_score": self._current}
         named = {} if self._named_last is None else {"named_last": self._named_last}
+        replacing = {} if self._replacing is None else {"replacing_last": self._replacing}
         return {
             "best_k": dict(self.best_k),
             "kept": list(self.kept),
@@ -431,6 +511,7 @@ class ModelCheckpoint(KeyedByMonitor):
             **newest,
             **current,
             **named,
+            **replacing,
             **ranked_by,
         }
 
@@ -451,13 +532,16 @@ class ModelCheckpoint(KeyedByMonitor):
         best_k, kept, protected = dict(state.get("best_k", {})), list(state.get("kept", [])), state.get("protected", [])
         newest = state.get("newest")  # absent before this ampkit, and before a first save
         named = state.get("named_last")  # as newest, and where CHECKPOINT_NAME_LAST was 'last'
-        self._check_names([*best_k, *kept], [*protected, *(name for name in (newest, named) if name is not None)])
-        if named is not None and is_own_name(named):  # the next save would remove that file as the previous copy
-            raise CheckpointError(
-                f"the checkpoint's {self.state_key} state names {named!r} as its CHECKPOINT_NAME_LAST copy, which is "
-                "the name of one of ampkit's own checkpoint files: the checkpoint was edited or is damaged; resume an "
-                "earlier one"
-            )
+        replacing = state.get("replacing_last")  # as named_last, and where no earlier copy was replaced
+        files = (name for name in (newest, named, replacing) if name is not None)
+        self._check_names([*best_k, *kept], [*protected, *files])
+        for copy in (named, replacing):  # the next save (or the resume) would remove that file as a previous copy
+            if copy is not None and is_own_name(copy):
+                raise CheckpointError(
+                    f"the checkpoint's {self.state_key} state names {copy!r} as a CHECKPOINT_NAME_LAST copy, which is "
+                    "the name of one of ampkit's own checkpoint files: the checkpoint was edited or is damaged; resume "
+                    "an earlier one"
+                )
         current = state.get("current_score")  # as newest
         if current is not None and (isinstance(current, bool) or not isinstance(current, numbers.Real)):
             raise CheckpointError(
@@ -466,7 +550,7 @@ class ModelCheckpoint(KeyedByMonitor):
             )
         # Only once all of it is checked: a refused state leaves the ranking this callback had.
         self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
-        self._newest, self._named_last = newest, named
+        self._newest, self._named_last, self._replacing = newest, named, replacing
         self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
@@ -502,14 +586,15 @@ class ModelCheckpoint(KeyedByMonitor):
             return self._save(trainer, filename, best)
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
-        previous, named = self._newest, self._named_last
+        previous, named, replacing = self._newest, self._named_last, self._replacing
         if filename != best:  # a step or epoch file (a best-k one alone is named after its ranking), recorded first:
             self._newest = Path(filename).stem if trainer.sharded else filename  # its own state names it
         self._named_last = last_file_name(self, trainer.state.epoch, trainer.state.global_step)  # as Lightning's, first
+        self._replacing = named if named != self._named_last else None  # its state names both: a resume finds both
         try:
             return self._write_everywhere(trainer, filename, best, named)
         except BaseException:  # a failed save (a full disk): best_model_path names the file before it, which is there
-            self._newest, self._named_last = previous, named
+            self._newest, self._named_last, self._replacing = previous, named, replacing
             raise
 
     def _write_everywhere(self, trainer, filename: str, best: str | None, named: str | None) -> Path | None:
@@ -658,6 +743,54 @@ class ModelCheckpoint(KeyedByMonitor):
         except OSError as exc:
             return str(writing), exc
         return None
+
+
+def _interval(name: str, value: Any, positional: bool = False) -> int:
+    """``every_n_steps`` or ``every_n_epochs`` (``name``) as an int >= 0, else a ValueError naming it; Lightning's None
+    (``positional``: or a None given by position for Lightning's first arguments) says what gives its saves."""
+    if value is None:
+        by_position = (
+            f" (a None given by position for Lightning's {LIGHTNING_POSITIONAL_ORDER['ModelCheckpoint']}: pass them by "
+            "keyword)"
+            if positional
+            else ""
+        )
+        raise ValueError(f"ModelCheckpoint: {name}=None is not taken here; {LIGHTNING_NONE_INTERVAL}{by_position}")
+    return interval_option(value, f"ModelCheckpoint: {name}", zero_means="never")
+
+
+def _top_k(save_top_k: Any) -> int:
+    """``save_top_k`` as an int >= 1 or -1, else a ValueError naming it (and Lightning's 0)."""
+    if (
+        isinstance(save_top_k, bool)
+        or not isinstance(save_top_k, numbers.Integral)
+        or (save_top_k < 1 and save_top_k != -1)
+    ):  # True kept one file, a str failed in a comparison, 2.5 ranked 2.5 files
+        zero = f"; {LIGHTNING_ZERO['save_top_k']}" if save_top_k == 0 and save_top_k is not False else ""
+        raise ValueError(
+            f"save_top_k {shown(save_top_k)} is invalid; expected an integer >= 1, or -1 (keep every one){zero}"
+        )
+    return int(save_top_k)
+
+
+def _watching(monitor: Monitor | None, save_top_k: int) -> Monitor | None:
+    """``monitor``, unless ``save_top_k`` keeps several best checkpoints without one to rank them by."""
+    if save_top_k not in (1, -1) and monitor is None:
+        raise ValueError(
+            f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "
+            "validation metric (val/loss), or keep_last to keep the newest step and epoch files (save_top_k=-1 "
+            "without a monitor keeps every one)"
+        )
+    return monitor
+
+
+def _names_itself_last(path: Path) -> bool:
+    """Whether checkpoint file ``path`` is a ``CHECKPOINT_NAME_LAST`` copy ampkit wrote: a ModelCheckpoint's state in
+    it names the file by its own name (a copy of ``last.pt`` a user made under that name names another)."""
+    states = (peek_checkpoint(path) or {}).get("callbacks")
+    return isinstance(states, dict) and any(
+        isinstance(state, dict) and state.get("named_last") == path.name for state in states.values()
+    )
 
 
 def _oldest_of_the_worst(ranked: list[tuple[str, float]]) -> int:

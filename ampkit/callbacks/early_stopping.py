@@ -11,8 +11,9 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
+from ampkit.callbacks.lightning_attributes import RefusesLightningAttributes
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
-from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
+from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error, lightning_positional_error
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
@@ -29,7 +30,7 @@ class EarlyStoppingReason(Enum):
     NON_FINITE_METRIC = "non_finite_metric"
 
 
-class EarlyStopping(KeyedByMonitor):
+class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
     """Sets ``trainer.state.should_stop`` after ``patience`` validations in a row without an improvement of
     ``monitor`` by more than ``min_delta`` (``mode``: ``min`` or ``max``); the loop then ends after the
     current batch. A ``train/`` monitor is the epoch mean of a ``log(..., on_epoch=True)`` tag, checked at the end
@@ -61,31 +62,15 @@ class EarlyStopping(KeyedByMonitor):
     ) -> None:
         if lightning_only:  # check_on_train_epoch_end, verbose...: a port hears what does their work here
             raise lightning_arguments_error(type(self), list(lightning_only))
-        if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
-            raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
-        patience = interval_option(patience, "EarlyStopping: patience")
-        self.monitor = Monitor(monitor, mode, min_delta)  # default_callbacks names the config key of the config's
-        for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Real)
-                or beyond_float(value)
-                or not math.isfinite(value)
-            ):  # a str (or an int no float holds) failed in math.isfinite naming neither; True was a threshold of 1
-                raise ValueError(f"{name} {shown(value)} is invalid; expected a finite number or None")
-        if (
-            stopping_threshold is not None
-            and divergence_threshold is not None
-            and not self.monitor.better(stopping_threshold, divergence_threshold)
-        ):  # every value would stop the run at its first validation
-            raise ValueError(
-                f"stopping_threshold {stopping_threshold} is not better than divergence_threshold "
-                f"{divergence_threshold} in mode {shown(mode)}: every value would stop the run"
-            )
-        self.check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
-        self.stopping_threshold = stopping_threshold
-        self.divergence_threshold = divergence_threshold
+        if isinstance(mode, numbers.Real) and not isinstance(mode, bool):  # Lightning's min_delta comes second
+            raise lightning_positional_error(type(self), "mode", mode)
         self.patience = patience
+        watched = Monitor(monitor, mode, min_delta)  # default_callbacks names the config key of the config's
+        stopping = _threshold("stopping_threshold", stopping_threshold)
+        divergence = _threshold("divergence_threshold", divergence_threshold)
+        self._monitor = _checked(watched, stopping, divergence)
+        self._stopping_threshold, self._divergence_threshold = stopping, divergence
+        self.check_finite = check_finite
         self.best: float | None = None
         self.wait = 0
         self.stopped_epoch = 0  # Lightning's: the epoch (0-based) whose check stopped the run, 0 while none did
@@ -94,14 +79,87 @@ class EarlyStopping(KeyedByMonitor):
         self.stopping_reason_message: str | None = None
 
     @property
+    def monitor(self) -> Monitor:
+        """The monitored metric (equal to its name, as Lightning's string is); a name assigned after construction
+        (``es.monitor = "val/acc"``, as Lightning allows) is checked as the constructor's."""
+        return self._monitor
+
+    @monitor.setter
+    def monitor(self, metric: str) -> None:
+        self._watch(self._thresholds_kept(Monitor(metric, self.mode, self.min_delta)))
+
+    @property
     def mode(self) -> str:
-        """Lightning's ``mode``: ``min`` or ``max``."""
-        return self.monitor.mode
+        """Lightning's ``mode``: ``min`` or ``max``; assignable, checked as the constructor's."""
+        return self._monitor.mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        self._watch(self._thresholds_kept(Monitor(self._monitor.metric, mode, self.min_delta, self._monitor.setting)))
 
     @property
     def min_delta(self) -> float:
-        """Lightning's ``min_delta``, as given (>= 0; Lightning's holds it negated in ``min`` mode)."""
-        return self.monitor.min_delta
+        """Lightning's ``min_delta``, as given (>= 0; Lightning's holds it negated in ``min`` mode); assignable, checked
+        as the constructor's."""
+        return self._monitor.min_delta
+
+    @min_delta.setter
+    def min_delta(self, min_delta: float) -> None:
+        self._monitor = Monitor(self._monitor.metric, self.mode, min_delta, self._monitor.setting)
+
+    @property
+    def patience(self) -> int:
+        """The validations in a row without an improvement that stop the run; assignable, checked as the
+        constructor's."""
+        return self._patience
+
+    @patience.setter
+    def patience(self, patience: int) -> None:
+        if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
+            raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
+        self._patience = interval_option(patience, "EarlyStopping: patience")
+
+    def _watch(self, monitor: Monitor) -> None:
+        """Watch ``monitor`` from now on; the best value of another metric or mode is none of it, so patience counts
+        afresh (as a resume by another one counts)."""
+        if monitor.changed_since(self._monitor.state_dict()) is not None:
+            self.best, self.wait = None, 0
+        self._monitor = monitor
+
+    def _thresholds_kept(self, monitor: Monitor) -> Monitor:
+        """``monitor``, once its mode leaves some value between this callback's thresholds."""
+        return _checked(monitor, self.stopping_threshold, self.divergence_threshold)
+
+    @property
+    def stopping_threshold(self) -> float | None:
+        """Stop at the first value better than this (None: never); assignable, checked as the constructor's."""
+        return self._stopping_threshold
+
+    @stopping_threshold.setter
+    def stopping_threshold(self, value: float | None) -> None:
+        value = _threshold("stopping_threshold", value)
+        _checked(self._monitor, value, self.divergence_threshold)
+        self._stopping_threshold = value
+
+    @property
+    def divergence_threshold(self) -> float | None:
+        """Stop at the first value worse than this (None: never); assignable, checked as the constructor's."""
+        return self._divergence_threshold
+
+    @divergence_threshold.setter
+    def divergence_threshold(self, value: float | None) -> None:
+        value = _threshold("divergence_threshold", value)
+        _checked(self._monitor, self.stopping_threshold, value)
+        self._divergence_threshold = value
+
+    @property
+    def check_finite(self) -> bool:
+        """Stop at the first NaN/inf value; assignable, checked as the constructor's (``"False"`` is no switch)."""
+        return self._check_finite
+
+    @check_finite.setter
+    def check_finite(self, check_finite: bool) -> None:
+        self._check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
 
     @property
     def wait_count(self) -> int:
@@ -200,6 +258,29 @@ class EarlyStopping(KeyedByMonitor):
         if message is not None and not isinstance(message, str):
             raise _damaged("stopping_reason_message", message, "a string or None")
         self.stopping_reason_message = message
+
+
+def _threshold(name: str, value: Any) -> float | None:
+    """``value`` of threshold ``name`` if it is None or a finite number, else a ValueError naming it."""
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or beyond_float(value)
+        or not math.isfinite(value)
+    ):  # a str (or an int no float holds) failed in math.isfinite naming neither; True was a threshold of 1
+        raise ValueError(f"{name} {shown(value)} is invalid; expected a finite number or None")
+    return value
+
+
+def _checked(monitor: Monitor, stopping: float | None, divergence: float | None) -> Monitor:
+    """``monitor``, once its mode leaves some value between the thresholds ``stopping`` and ``divergence`` (else every
+    value would stop the run at its first validation)."""
+    if stopping is not None and divergence is not None and not monitor.better(stopping, divergence):
+        raise ValueError(
+            f"stopping_threshold {stopping} is not better than divergence_threshold {divergence} in mode "
+            f"{monitor.mode!r}: every value would stop the run"
+        )
+    return monitor
 
 
 def _damaged(key: str, value: Any, valid: str) -> ValueError:

@@ -92,11 +92,30 @@ def test_a_naming_attribute_ampkit_cannot_honour_is_refused_on_a_subclass_and_on
     assert said in str(refused.value) and run.state.global_step == 0
 
 
+@pytest.mark.parametrize("key", ["named_last", "replacing_last"])
 @pytest.mark.parametrize("named", ["step-00000003.pt", "last.pt", "best-00000002.pt", "../notes.txt"])
-def test_a_restored_last_copy_naming_one_of_ampkit_s_files_or_a_path_is_refused(named):
+def test_a_restored_last_copy_naming_one_of_ampkit_s_files_or_a_path_is_refused(named, key):
     """The next save removes the previous CHECKPOINT_NAME_LAST copy: an edited checkpoint naming a step file (or a
     path outside the directory) as that copy would have had it deleted. The state it had is kept."""
     callback = ModelCheckpoint()
     with pytest.raises(CheckpointError, match=re.escape(repr(named))):
-        callback.load_state_dict({"best_k": {}, "kept": [], "protected": [], "named_last": named})
-    assert callback.state_dict().get("named_last") is None
+        callback.load_state_dict({"best_k": {}, "kept": [], "protected": [], key: named})
+    assert callback.state_dict().get(key) is None
+
+
+@pytest.mark.parametrize(("left", "removed"), [("epoch-0002.pt", True), ("last.pt", False), (None, False)])
+def test_a_resume_removes_the_last_copy_a_killed_save_was_replacing_and_never_a_user_s_file(tmp_path, left, removed):
+    """A kill between writing the new CHECKPOINT_NAME_LAST copy and removing the one before left that one for good:
+    the resumed run's saves remove only the copy last.pt names. Now the resume removes it where it is provably
+    ampkit's (last.pt's state names it as the copy it replaced, and the file's own state names it as its copy); a
+    user's copy of last.pt, or a file of their own, under that name stays."""
+    callback = ModelCheckpoint()
+    callback.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    directory = _fit(tmp_path, callback, epochs=3).version_dir / "checkpoints"
+    killed = directory / "epoch=1-last.pt"  # epoch-0002.pt's state is the one that copy held (epoch 1, 0-based)
+    killed.write_bytes((directory / left).read_bytes() if left else b"my notes")
+    again = ModelCheckpoint()
+    again.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    _fit(tmp_path, again, epochs=4, resume="last")
+    named = ["epoch=3-last.pt", "last.pt"] if removed else ["epoch=1-last.pt", "epoch=3-last.pt", "last.pt"]
+    assert sorted(p.name for p in directory.glob("*last*")) == named
