@@ -24,11 +24,13 @@ import torch
 from checkpoint_compare import assert_same_checkpoint
 from child_env import child_env
 from omegaconf import OmegaConf
+from rank_forkserver import ForkedPython
 from torch.utils.data import DataLoader
 from toy_trainers import OwnGeneratorToyTrainer, ToyConfig, ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
 from ampkit import CheckpointError
+from ampkit.cli import main
 from ampkit.config import import_object
 from ampkit.trainer.checkpoint_io import load_checkpoint, save_atomic
 
@@ -151,6 +153,18 @@ def _cli(cfg_path: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "ampkit", "fit", "--config", str(cfg_path), *extra]
 
 
+def _forked_cli(tmp_path: Path, cfg_path: Path, *extra: str) -> ForkedPython:
+    """``ampkit fit --config CFG_PATH EXTRA...`` forked from the warm rank server, not a new Python (which spent
+    seconds importing torch and ampkit), computing with this process's thread count as a new Python would."""
+    script = tmp_path / "ampkit_fit.py"
+    script.write_text(
+        f"import sys, torch\ntorch.set_num_threads({torch.get_num_threads()})\n"
+        "from ampkit.cli import main\nsys.exit(main())\n"
+    )
+    command = [sys.executable, str(script), "fit", "--config", str(cfg_path), *extra]
+    return ForkedPython(command, env=child_env(TESTS, REPO))
+
+
 def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     settings = {
         "trainer_class": "toy_trainers:SlowToyTrainer",
@@ -160,48 +174,43 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     }
     cfg_path = tmp_path / "toy.yaml"
     OmegaConf.save(OmegaConf.create({**settings, "run_dir": str(tmp_path / "killed")}), cfg_path)
-    env = child_env(TESTS, REPO)
     # The uninterrupted run in a process of its own too (where this one has used CUDA, another test on a machine with
     # a GPU, its checkpoints also hold CUDA's RNG state, which a CPU run in a fresh process does not save), run on
     # the other core meanwhile.
     full_path = tmp_path / "full.yaml"
     OmegaConf.save(OmegaConf.create({**settings, "run_dir": str(tmp_path / "full")}), full_path)
-    with open(tmp_path / "full.err", "w") as full_err:
-        full = subprocess.Popen(_cli(full_path), cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=full_err)
+    full = _forked_cli(tmp_path, full_path)
     try:
-        _kill_resume_and_compare(cfg_path, env, full, tmp_path)
+        _kill_resume_and_compare(cfg_path, full, tmp_path)
     finally:
         full.kill()
-        full.wait()
 
 
-def _kill_resume_and_compare(cfg_path: Path, env: dict, full: subprocess.Popen, tmp_path: Path) -> None:
+def _kill_resume_and_compare(cfg_path: Path, full: ForkedPython, tmp_path: Path) -> None:
     last = tmp_path / "killed" / "version_0" / "checkpoints" / "last.pt"
     killed = False
     for _attempt in range(3):
-        # Output goes nowhere: an unread pipe could fill up and stall the child before the kill.
-        with subprocess.Popen(
-            _cli(cfg_path), cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        ) as proc:
-            deadline = time.monotonic() + 60
-            while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.005)
-            time.sleep(random.uniform(0.0, 0.2))
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                killed = True
+        proc = _forked_cli(tmp_path, cfg_path)
+        deadline = time.monotonic() + 60
+        while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(random.uniform(0.0, 0.2))
+        if proc.poll() is None:
+            proc.kill()  # SIGKILL
+            killed = True
+        proc.communicate(timeout=60)
         if killed:
             break
     assert killed, "the training process finished before it could be killed"
     step_at_kill = load_checkpoint(last)["loop"]["global_step"]  # loadable after SIGKILL
     assert 0 < step_at_kill < 24
-    result = subprocess.run(
-        _cli(cfg_path, "--resume", "last"), cwd=TESTS, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
+    resume = _forked_cli(tmp_path, cfg_path, "--resume", "last")
+    _, stderr = resume.communicate(timeout=120)
+    assert resume.returncode == 0, stderr
     resumed = load_checkpoint(last)
     assert resumed["loop"]["global_step"] == 24
-    assert full.wait(timeout=120) == 0, (tmp_path / "full.err").read_text()
+    _, stderr = full.communicate(timeout=120)
+    assert full.returncode == 0, stderr
     full_last = tmp_path / "full" / "version_0" / "checkpoints" / "last.pt"
     assert_same_checkpoint(resumed, load_checkpoint(full_last))  # RNG included
 
@@ -869,10 +878,8 @@ def test_a_sigterm_to_the_whole_process_group_spares_the_loader_workers_and_save
     assert not (tmp_path / "run" / "version_0" / "run.lock").exists()
     last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
     assert load_checkpoint(last)["loop"] == {"epoch": 0, "batches_done": step, "global_step": step}
-    env.pop("AMPKIT_TEST_GROUP_SIGTERM")
-    resumed = subprocess.run([*_cli(cfg_path), "--resume", "last"], cwd=TESTS, env=env, capture_output=True,
-                             text=True, timeout=120)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
+    # The resume sends no signal: it runs here, through the same command, without a fresh interpreter's imports.
+    assert main(["fit", "--config", str(cfg_path), "--resume", "last"]) == 0
     assert load_checkpoint(last)["loop"]["global_step"] == 16
 
 

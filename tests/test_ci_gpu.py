@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
+from rank_forkserver import ForkedPython
 
 SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "gpu"
 
@@ -75,8 +78,17 @@ def run_script(
                 "OUT": str(tmp_path / "out"), "FAKE_PYTEST_S": "0", **env}  # fmt: skip
     if real_python:
         full_env["REAL_PYTHON"] = sys.executable
-    done = subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True, text=True, timeout=60,
+                          preexec_fn=_sigint_catchable)  # fmt: skip
     return done, log.read_text()
+
+
+def _sigint_catchable() -> None:
+    """The fake pytest is bash, which cannot trap a SIGINT ignored when it starts (the real one restores Python's
+    handler itself): a suite started in the background of a non-interactive shell ignores SIGINT, and there the
+    time-limit tests ran the fake's whole 30 s hang and lost the lines they check."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 def limits(log: str) -> list[int]:
@@ -188,11 +200,14 @@ def test_without_cuda_the_device_check_stops_the_script_with_one_line(tmp_path):
     assert "ampkit.ops.build" not in log and "timeout" not in log
 
 
-def test_tests_skipped_without_cuda_are_selected_by_k_cuda_whatever_their_names():
+def test_tests_skipped_without_cuda_are_selected_by_k_cuda_whatever_their_names(tmp_path):
     """``verify 1/2`` runs ``-k cuda``: a CUDA-only file whose tests are not named so (the sync-budget tests that show
-    0 host reads per iteration) ran only in 2/2, among two thousand others, where a time limit can cut it."""
+    0 host reads per iteration) ran only in 2/2, among two thousand others, where a time limit can cut it. The
+    collecting pytest is forked from the warm rank server: a new Python spent seconds importing torch and ampkit."""
     budget = str(Path(__file__).parent / "callbacks" / "test_sync_budget.py")
-
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "-k", "not cuda", budget], capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert re.match(r"no tests collected \(\d+ deselected\) in ", done.stdout.strip().splitlines()[-1]), done.stdout
+    script = tmp_path / "pytest_main.py"
+    script.write_text("import sys, pytest\nsys.exit(pytest.main(sys.argv[1:]))\n")
+    command = [sys.executable, str(script), "--collect-only", "-q", "-p", "no:cacheprovider", "-k", "not cuda", budget]
+    done = ForkedPython(command, env=child_env())
+    stdout, stderr = done.communicate(timeout=120)
+    assert re.match(r"no tests collected \(\d+ deselected\) in ", stdout.strip().splitlines()[-1]), stdout + stderr
