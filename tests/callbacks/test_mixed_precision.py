@@ -915,10 +915,24 @@ class AdamRefreezeTrainer(RefreezeTrainer):
     optimizer_class = torch.optim.Adam
 
 
-@pytest.mark.parametrize("trainer_class", [RefreezeTrainer, AdamRefreezeTrainer])
+class ManualRefreezeTrainer(RefreezeTrainer):
+    """The same under manual optimization, ``backward(loss, optimizer=...)`` naming the optimizer's tensors."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.backward(loss, optimizer=self.optimizer)
+        self.step(self.optimizer)
+        return loss.detach()
+
+
+@pytest.mark.parametrize("trainer_class", [RefreezeTrainer, AdamRefreezeTrainer, ManualRefreezeTrainer])
 def test_a_layer_frozen_after_it_trained_keeps_its_master_through_a_resume(tmp_path, trainer_class):
     """A layer frozen after it trained keeps its fp32 master (its bits below fp16, Adam's fp32 state). A resume while
-    it is frozen gives it back from the checkpoint, so the run unfreezing it later continues bit-identically."""
+    it is frozen gives it back from the checkpoint, so the run unfreezing it later continues bit-identically. Under
+    manual optimization, ``backward(optimizer=...)`` named the frozen layer through its master (a RuntimeError in
+    autograd), and after the resume left the unfrozen layer out (its master, made while it was frozen, did not ask)."""
     precision = {"opt_level": "O2", "dtype": "float16"}
     three = {"max_epochs": 3}
     full, _ = _fit_fine_tuning(tmp_path / "full", trainer_class, trainer_cfg=three, **precision)
