@@ -90,6 +90,35 @@ class MasterWeights:
             state[master] = state.pop(param)
         return master
 
+    def release_frozen(self) -> bool:
+        """Without ``frozen_masters``, put each frozen parameter back in its master's place where the master holds
+        nothing it cannot give back (equal to it, no gradient, no optimizer state): one frozen after the masters were
+        made but before it trained (a fine-tuning hook at the start of a run) then costs no fp32 copy, and the master
+        made when it is unfrozen is the same. True when one was released."""
+        if self.frozen_masters:
+            return False
+        state = self.optimizer.state
+        pairs = [
+            (p, m)
+            for p, m in zip(self._low, self._low_masters, strict=True)
+            if not p.requires_grad and m.grad is None and not state.get(m) and torch.equal(m, p.to(m.dtype))
+        ]
+        if not pairs:
+            return False
+        released = {id(m): p for p, m in pairs}
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            for k, held in enumerate(params):
+                if id(held) in released:
+                    params[k] = released[id(held)]
+        for _, master in pairs:
+            state.pop(master, None)
+        self.master_params = [released.get(id(m), m) for m in self.master_params]
+        self._awaiting.update({id(p): p for p in released.values()})
+        pairs = [(p, m) for p, m in zip(self.model_params, self.master_params, strict=True) if m is not p]
+        self._low, self._low_masters = [p for p, _ in pairs], [m for _, m in pairs]
+        return True
+
     def _give_master(self, param: torch.Tensor) -> torch.Tensor:
         """A master for ``param``, left without one while frozen, in its place in the groups; its optimizer state (held
         in ``param``'s dtype: torch's ``load_state_dict`` casts state to its parameter's) is recast to the master's."""

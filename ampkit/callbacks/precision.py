@@ -174,11 +174,17 @@ class MixedPrecision(Callback):
         if trainer.automatic_optimization:  # autocast is off from each backward on: nothing to resume or end
             unused |= {"on_after_backward", "on_train_batch_end"}
         if not self.properties.master_weights:
-            unused.add("on_after_optimizer_step")
+            unused |= {"on_after_optimizer_step", "on_train_start"}
         return unused
 
     def on_fit_start(self, trainer) -> None:
         self._setup(trainer)
+
+    def on_train_start(self, trainer) -> None:
+        # a layer frozen after set-up, before training (in on_fit_start, as Lightning's BackboneFinetuning) gives
+        # back the master it got
+        if any([masters.release_frozen() for masters in self.masters.values()]):
+            self._map_masters()
 
     def on_load_checkpoint(self, trainer, checkpoint: dict[str, Any]) -> None:
         self._setup(trainer)

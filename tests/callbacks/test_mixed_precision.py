@@ -872,6 +872,29 @@ def test_o2_gives_a_frozen_layer_no_fp32_master_until_it_is_unfrozen_and_then_tr
         assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
 
 
+class FrozenAtFitStartTrainer(UnfreezeTrainer):
+    """UnfreezeTrainer's fine-tuning with the first layer frozen in on_fit_start (Lightning's BackboneFinetuning
+    freezes there), after the precision callback made the masters."""
+
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def on_fit_start(self):
+        self.module[0].requires_grad_(False)
+
+
+def test_a_layer_frozen_in_on_fit_start_gives_back_the_master_it_got(tmp_path):
+    """The masters are made when the fit starts, before the Trainer's own on_fit_start: a layer frozen there kept its
+    fp32 copy for nothing. It is released before training, and the run is the one frozen in configure_model."""
+    precision = {"opt_level": "O2", "dtype": "float16"}
+    hooked, sizes = _fit_fine_tuning(tmp_path / "hook", FrozenAtFitStartTrainer, **precision)
+    assert sizes.at_start == _HEAD_MASTER_BYTES
+    assert sizes.at_epoch_end == [_HEAD_MASTER_BYTES, _ALL_MASTER_BYTES]
+    at_configure, _ = _fit_fine_tuning(tmp_path / "configure", **precision)
+    for key, value in params_of(at_configure).items():
+        assert torch.equal(value, params_of(hooked)[key]), key
+
+
 @pytest.mark.parametrize("older", [False, True])
 def test_an_o2_checkpoint_of_a_frozen_layer_resumes_bit_identically_without_its_master(tmp_path, older):
     """A checkpoint saves None in place of the master a frozen layer does not have; one of an ampkit that gave every
