@@ -118,7 +118,8 @@ class BareModule(Plain):
 
 
 class UnfreezesAtEpoch1(Plain):
-    """Fine-tuning: the first layer is frozen when DDP wraps the model, and unfrozen at epoch 1."""
+    """Fine-tuning: the first layer is frozen when DDP wraps the model, and unfrozen at epoch 1 (under O2, when it gets
+    its fp32 master: the parameter the ranks must average)."""
 
     def configure_model(self):
         model = super().configure_model()
@@ -128,6 +129,14 @@ class UnfreezesAtEpoch1(Plain):
     def on_train_epoch_start(self):
         if self.state.epoch == 1:
             self.module[0].requires_grad_(True)
+
+
+# the precision of each ddp_unfreeze scenario
+UNFREEZE_PRECISION = {
+    "ddp_unfreeze": {},
+    "ddp_unfreeze_fp16": {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0},
+    "ddp_unfreeze_o2": {"opt_level": "O2", "dtype": "float16", "init_scale": 256.0},
+}
 
 
 class Shuffled(Plain):
@@ -858,7 +867,7 @@ def main(scenario: str, out: Path) -> None:
         }
         trainer = Plain(cfg)
     elif scenario.startswith("ddp_unfreeze"):
-        precision = {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0} if scenario.endswith("fp16") else {}
+        precision = UNFREEZE_PRECISION[scenario]
         cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"enabled": False},
                "trainer": {**cpu, "max_epochs": 2}, "precision": precision}  # fmt: skip
         trainer = UnfreezesAtEpoch1(cfg)

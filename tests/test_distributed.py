@@ -85,15 +85,16 @@ def test_a_loss_of_the_bare_module_under_ddp_is_refused_on_every_rank(tmp_path):
         assert "training_step's loss did not come from self.model: under DDP only self.model" in result.stderr
 
 
-@pytest.mark.parametrize("scenario", ["ddp_unfreeze", "ddp_unfreeze_fp16"])
+@pytest.mark.parametrize("scenario", ["ddp_unfreeze", "ddp_unfreeze_fp16", "ddp_unfreeze_o2"])
 def test_a_layer_unfrozen_after_ddp_wrapped_the_model_is_averaged_across_ranks(tmp_path, scenario):
     """DDP's reducer averages only the parameters trainable when it wrapped the model: a layer unfrozen at epoch 1
-    trained on each rank's own gradients, and the ranks drifted apart without a word."""
+    trained on each rank's own gradients, and the ranks drifted apart without a word. Under O2 the layer gets its fp32
+    master when it is unfrozen: the master's gradient is averaged."""
     rank0, rank1 = _ok(launch(scenario, tmp_path))
     _equal(rank0["model"], rank1["model"])
-    from dist_worker import UnfreezesAtEpoch1
+    from dist_worker import UNFREEZE_PRECISION, UnfreezesAtEpoch1
 
-    precision = {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0} if scenario.endswith("fp16") else {}
+    precision = UNFREEZE_PRECISION[scenario]
     single = UnfreezesAtEpoch1({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
                                 "logging": {"tensorboard": False}, "checkpoint": {"enabled": False},
                                 "trainer": {"max_epochs": 2, "device": "cpu"}, "precision": precision})  # fmt: skip

@@ -82,7 +82,9 @@ class MixedPrecision(Callback):
       (e.g. ``["generator", "discriminator"]`` when training code calls submodules directly), and outputs
       cast back to float32 (or ``cast_model_outputs``).
     - ``master_weights``: each optimizer holds fp32 masters; they are copied into the model after every
-      step that ran (not after a skipped one) and saved in checkpoints, so a resumed run is bit-identical.
+      step that ran (not after a skipped one) and saved in checkpoints, so a resumed run is bit-identical. As in
+      Apex, a parameter frozen at set-up (a fine-tuned backbone) gets none, saving its fp32 copy; unfrozen later, it
+      gets its master at the next iteration's first backward (where the gradient combiner is rebuilt).
 
     A standalone ``validate``/``test``/``predict`` casts at ``on_evaluation_setup`` and runs under autocast too.
 
@@ -154,7 +156,8 @@ class MixedPrecision(Callback):
                 add_boundary_casts(module, None, self.cast_model_outputs)
         if props.master_weights:
             for optimizer in trainer.optimizers.values():
-                masters = self.masters[optimizer] = MasterWeights(optimizer)
+                # as Apex's O2: a frozen parameter (a fine-tuned backbone) gets no fp32 copy until it is unfrozen
+                masters = self.masters[optimizer] = MasterWeights(optimizer, frozen_masters=False)
                 trainer.optimizer_state[optimizer].master_weights = masters  # gradients go to the masters
             self._map_masters()
 
@@ -173,29 +176,36 @@ class MixedPrecision(Callback):
         if trainer.automatic_optimization:  # autocast is off from each backward on: nothing to resume or end
             unused |= {"on_after_backward", "on_train_batch_end"}
         if not self.properties.master_weights:
-            unused.add("on_after_optimizer_step")
+            unused |= {"on_after_optimizer_step", "on_train_start"}
         return unused
 
     def on_fit_start(self, trainer) -> None:
         self._setup(trainer)
 
+    def on_train_start(self, trainer) -> None:
+        # a layer frozen after set-up, before training (in on_fit_start, as Lightning's BackboneFinetuning) gives
+        # back the master it got
+        if any([masters.release_frozen() for masters in self.masters.values()]):
+            self._map_masters()
+
     def on_load_checkpoint(self, trainer, checkpoint: dict[str, Any]) -> None:
         self._setup(trainer)
+        saved = (self._pending_state or {}).get("master_weights", {})
+        for name, optimizer in trainer.optimizers.items():
+            masters = self.masters.get(optimizer)
+            if masters is not None and name in saved:  # first: a layer that trained, then froze, gets its master back
+                masters.load_state_dict(saved[name])
+            elif masters is not None:  # saved at a level without masters (O0, O1) or with master_weights off
+                rank_zero_warn(
+                    f"the checkpoint has no fp32 master weights for optimizer '{name}' (it was saved without "
+                    "precision.master_weights): this run's masters start from its model weights, in the "
+                    "model's dtype, as a fresh run's do"
+                )
         # The Trainer loaded the optimizer states before the cast: reload them onto the cast parameters
         # (or the masters) so every state tensor has the dtype it was saved with.
         for name, optimizer in trainer.optimizers.items():
             optimizer.load_state_dict(checkpoint["optimizers"][name])
-        saved = (self._pending_state or {}).get("master_weights", {})
-        for name, optimizer in trainer.optimizers.items():
-            if optimizer in self.masters:
-                if name not in saved:  # saved at a level without masters (O0, O1) or with master_weights off
-                    rank_zero_warn(
-                        f"the checkpoint has no fp32 master weights for optimizer '{name}' (it was saved without "
-                        "precision.master_weights): this run's masters start from its model weights, in the "
-                        "model's dtype, as a fresh run's do"
-                    )
-                    continue
-                self.masters[optimizer].load_state_dict(saved[name])
+        self._map_masters()  # masters given back above
         self._pending_state = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -312,15 +322,18 @@ def saved_masters_into_model(
         params = [p for group in optimizer.param_groups for p in group["params"]]
         dtypes = [getattr(checkpoint["model"].get(names.get(id(p), "")), "dtype", None) for p in params]
         low = [p for p, dtype in zip(params, dtypes, strict=True) if _had_master(dtype)]
-        masters = state["master_params"]
-        if len(low) != len(masters) or any(p.shape != m.shape for p, m in zip(low, masters, strict=False)):
+        masters = state["master_params"]  # None for a parameter that was frozen without a master
+        if len(low) != len(masters) or any(
+            m is not None and p.shape != m.shape for p, m in zip(low, masters, strict=False)
+        ):
             rank_zero_warn(
                 f"the checkpoint's fp32 master weights of optimizer '{opt_name}' do not match its parameters: "
                 "the run continues from the model's saved half-precision weights"
             )
             continue
         for param, master in zip(low, masters, strict=True):
-            param.copy_(master)
+            if master is not None:
+                param.copy_(master)
 
 
 def _had_master(saved_dtype: torch.dtype | None) -> bool:

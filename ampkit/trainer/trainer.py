@@ -730,7 +730,7 @@ class Trainer:
         inputs = None
         if optimizer is not None:
             optimizer = self._optimizer_named(optimizer, "backward")
-            inputs = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+            inputs = [p for group in optimizer.param_groups for p in group["params"]]
         backward = BackwardState(loss, loss_id, inputs)
         loss_state = self.loss_state.get(loss_id)
         if loss_state is None:
@@ -741,6 +741,8 @@ class Trainer:
         fx, self._fx = self._fx, "on_before_backward"
         for hook in self._hooks["on_before_backward"]:  # mixed precision scales the loss here
             hook(self, backward)
+        if backward.inputs is not None:  # the trainable ones, as the model has them (O2's masters mapped to them)
+            backward.inputs = [t for t in backward.inputs if t.requires_grad]
         if self.sharded:
             backward_to(backward.loss, backward.inputs, self.module)
         else:

@@ -173,3 +173,49 @@ def test_a_refused_load_leaves_every_master_as_it_was():
         with pytest.raises(ValueError, match=r"master_params\[3\] is (shape \(2,\)|a list), expected a tensor"):
             masters.load_state_dict(state)
         assert all(torch.equal(m, b) for m, b in zip(masters.master_params, before, strict=True))
+
+
+def _frozen_first_layer_adam() -> tuple[nn.Module, torch.optim.Optimizer, MasterWeights]:
+    """An fp16 model whose first layer is frozen, all of it in one Adam, with masters only for what trains."""
+    model, _, _ = build(torch.float16)
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, optimizer, MasterWeights(optimizer, frozen_masters=False)
+
+
+def test_a_frozen_parameter_with_optimizer_state_gets_its_saved_master_back_in_fp32():
+    """A layer frozen after it trained has Adam state (fp32, as its master held it): a load that left it without its
+    master put that state on the fp16 parameter, rounded, so a resume unfreezing it later was not bit-identical. Its
+    saved master may hold no bits below fp16; the state says it trained."""
+    model, optimizer, masters = _frozen_first_layer_adam()
+    weight = model[0].weight
+    assert optimizer.param_groups[0]["params"][0] is weight  # no master while frozen
+    exp_avg = torch.full(weight.shape, 1e-5)  # as the Trainer's load before the cast leaves it: fp32
+    optimizer.state[weight] = {"step": torch.tensor(3.0), "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg.square()}
+    saved = [None if m is None else m.clone() for m in masters.state_dict()["master_params"]]
+    saved[0] = weight.detach().float()  # exactly its fp16 value
+    masters.load_state_dict({"master_params": saved})
+    master = optimizer.param_groups[0]["params"][0]
+    assert master is not weight and master.dtype == torch.float32 and not master.requires_grad
+    assert weight not in optimizer.state and torch.equal(optimizer.state[master]["exp_avg"], exp_avg)
+    assert masters.state_dict()["master_params"][1] is None  # the frozen bias never trained: still none
+
+
+def test_a_parameter_unfrozen_takes_its_fp16_optimizer_state_to_its_master_in_fp32():
+    """torch's load_state_dict casts state to its parameter's dtype: one left without a master while frozen holds it in
+    fp16. Unfrozen, its master gets it in fp32, as an fp32 master's state is (torch's Adam refuses the mix)."""
+    model, optimizer, masters = _frozen_first_layer_adam()
+    weight = model[0].weight
+    optimizer.state[weight] = {"step": torch.tensor(3.0), "exp_avg": torch.full(weight.shape, 0.5, dtype=torch.float16)}
+    optimizer.state[weight]["exp_avg_sq"] = torch.full(weight.shape, 0.25, dtype=torch.float16)
+    model[0].requires_grad_(True)
+    assert masters.adopt_unfrozen() and not masters.adopt_unfrozen()
+    master = optimizer.param_groups[0]["params"][0]
+    state = optimizer.state[master]
+    assert master.dtype == state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    assert state["step"].dtype == torch.float32 and torch.equal(state["exp_avg"], torch.full(weight.shape, 0.5))
+    model(torch.randn(4, 6)).sum().backward()
+    master.grad = weight.grad.float()
+    optimizer.step()
+    masters.copy_to_model()
+    assert torch.equal(weight, master.half())

@@ -795,6 +795,184 @@ def test_a_parameter_unfrozen_mid_run_is_checked_for_inf_without_a_scaler(tmp_pa
     assert all(torch.isfinite(p).all() for p in trainer.module.parameters())
 
 
+def _master_bytes(trainer) -> int:
+    """The bytes of the fp32 master copies the optimizers hold: their tensors that are not the model's parameters."""
+    model = {id(p) for p in trainer.module.parameters()}
+    held = [t for opt in trainer.optimizers.values() for group in opt.param_groups for t in group["params"]]
+    return sum(t.untyped_storage().nbytes() for t in held if id(t) not in model)
+
+
+class MasterBytes(ampkit.Callback):
+    """:func:`_master_bytes` as training starts (after a resume's restore) and at the end of each epoch."""
+
+    def __init__(self):
+        self.at_start, self.at_epoch_end = None, []
+
+    def on_train_start(self, trainer):
+        self.at_start = _master_bytes(trainer)
+
+    def on_train_epoch_end(self, trainer):
+        self.at_epoch_end.append(_master_bytes(trainer))
+
+
+def _fit_fine_tuning(path, trainer_class=UnfreezeTrainer, resume=None, trainer_cfg=None, checkpoint=None, **precision):
+    cfg = {
+        "run_dir": str(path),
+        "trainer": {"max_epochs": 2, "device": "cpu", "progress_bar": False, **(trainer_cfg or {})},
+        "precision": precision,
+        "checkpoint": {"enabled": False, **(checkpoint or {})},
+        "logging": {"tensorboard": False},
+    }
+    sizes = MasterBytes()
+    trainer = trainer_class(cfg, callbacks=[sizes])
+    trainer.fit(resume=resume)
+    assert trainer.optimizer_state[trainer.optimizer].skipped_steps == 0  # the runs compared skip nothing
+    return trainer, sizes
+
+
+_HEAD_MASTER_BYTES = 4 * (8 * 2 + 2)  # the fp32 masters of UnfreezeTrainer's last layer
+_ALL_MASTER_BYTES = _HEAD_MASTER_BYTES + 4 * (4 * 8 + 8)
+
+
+def _optimizer_tensors(trainer) -> list[torch.Tensor]:
+    return [t.detach().clone() for group in trainer.optimizer.param_groups for t in group["params"]]
+
+
+class HeldThenTrainedTrainer(UnfreezeTrainer):
+    """UnfreezeTrainer's fine-tuning never frozen: the first layer trains from the start, at learning rate 0 until
+    epoch 1 (SGD without momentum leaves it exactly as it was), then at the other layer's rate."""
+
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def configure_optimizers(self):
+        groups = [{"params": self.module[0].parameters(), "lr": 0.0}, {"params": self.module[2].parameters()}]
+        return torch.optim.SGD(groups, lr=0.05)
+
+    def on_train_epoch_start(self):
+        if self.state.epoch == 1:
+            self.optimizer.param_groups[0]["lr"] = 0.05
+
+
+def test_o2_gives_a_frozen_layer_no_fp32_master_until_it_is_unfrozen_and_then_trains_as_one_never_frozen(tmp_path):
+    """Apex's O2 made masters only for parameters that require a gradient; the Trainer made one for every fp16
+    parameter, so a fine-tuned model's frozen backbone cost an fp32 copy (4 bytes a parameter) for nothing. Unfrozen,
+    the layer gets its master then, from its value, and trains exactly as a run that never froze it."""
+    precision = {"opt_level": "O2", "dtype": "float16"}
+    frozen, frozen_sizes = _fit_fine_tuning(tmp_path / "frozen", **precision)
+    assert frozen_sizes.at_start == _HEAD_MASTER_BYTES
+    assert frozen_sizes.at_epoch_end == [_HEAD_MASTER_BYTES, _ALL_MASTER_BYTES]  # unfrozen at epoch 1
+    assert not torch.equal(frozen.module[0].weight, frozen.first_layer_at_start)
+    never, never_sizes = _fit_fine_tuning(tmp_path / "never", trainer_class=HeldThenTrainedTrainer, **precision)
+    assert never_sizes.at_epoch_end == [_ALL_MASTER_BYTES] * 2
+    assert torch.equal(never.first_layer_at_start, frozen.first_layer_at_start)
+    for key, value in params_of(frozen).items():
+        assert torch.equal(value, params_of(never)[key]), key
+    for a, b in zip(_optimizer_tensors(frozen), _optimizer_tensors(never), strict=True):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+
+
+class FrozenAtFitStartTrainer(UnfreezeTrainer):
+    """UnfreezeTrainer's fine-tuning with the first layer frozen in on_fit_start (Lightning's BackboneFinetuning
+    freezes there), after the precision callback made the masters."""
+
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def on_fit_start(self):
+        self.module[0].requires_grad_(False)
+
+
+def test_a_layer_frozen_in_on_fit_start_gives_back_the_master_it_got(tmp_path):
+    """The masters are made when the fit starts, before the Trainer's own on_fit_start: a layer frozen there kept its
+    fp32 copy for nothing. It is released before training, and the run is the one frozen in configure_model."""
+    precision = {"opt_level": "O2", "dtype": "float16"}
+    hooked, sizes = _fit_fine_tuning(tmp_path / "hook", FrozenAtFitStartTrainer, **precision)
+    assert sizes.at_start == _HEAD_MASTER_BYTES
+    assert sizes.at_epoch_end == [_HEAD_MASTER_BYTES, _ALL_MASTER_BYTES]
+    at_configure, _ = _fit_fine_tuning(tmp_path / "configure", **precision)
+    for key, value in params_of(at_configure).items():
+        assert torch.equal(value, params_of(hooked)[key]), key
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_an_o2_checkpoint_of_a_frozen_layer_resumes_bit_identically_without_its_master(tmp_path, older):
+    """A checkpoint saves None in place of the master a frozen layer does not have; one of an ampkit that gave every
+    fp16 parameter a master (``older``: a frozen one's equal to its value) resumes as well. Either way the resumed run
+    is bit-identical to one never interrupted, and its frozen layer has no fp32 copy until it is unfrozen."""
+    precision = {"opt_level": "O2", "dtype": "float16"}
+    full, _ = _fit_fine_tuning(tmp_path / "full", **precision)
+    every_2 = {"enabled": True, "every_n_steps": 2, "every_n_epochs": 0}
+    part, _ = _fit_fine_tuning(tmp_path / "part", trainer_cfg={"max_steps": 2}, checkpoint=every_2, **precision)
+    path = Path(part.version_dir, "checkpoints", "step-00000002.pt")
+    checkpoint = torch.load(path, weights_only=True)
+    (masters,) = checkpoint["callbacks"]["MixedPrecision"]["master_weights"].values()
+    assert [m is None for m in masters["master_params"]] == [True, True, False, False]
+    if older:
+        masters["master_params"][:2] = [checkpoint["model"][name].float() for name in ("0.weight", "0.bias")]
+        torch.save(checkpoint, path)
+    resumed, sizes = _fit_fine_tuning(tmp_path / "part", resume=path, checkpoint=every_2, **precision)
+    assert sizes.at_start == _HEAD_MASTER_BYTES
+    assert sizes.at_epoch_end == [_HEAD_MASTER_BYTES, _ALL_MASTER_BYTES]
+    for key, value in params_of(full).items():
+        assert torch.equal(value, params_of(resumed)[key]), key
+    assert all(torch.equal(a, b) for a, b in zip(_optimizer_tensors(full), _optimizer_tensors(resumed), strict=True))
+
+
+class RefreezeTrainer(UnfreezeTrainer):
+    """The first layer trains in epoch 0, is frozen for epoch 1 and trains again from epoch 2."""
+
+    optimizer_class = torch.optim.SGD
+
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def configure_optimizers(self):
+        return self.optimizer_class(self.module.parameters(), lr=0.01)
+
+    def on_train_epoch_start(self):
+        self.module[0].requires_grad_(self.state.epoch != 1)
+
+
+class AdamRefreezeTrainer(RefreezeTrainer):
+    optimizer_class = torch.optim.Adam
+
+
+class ManualRefreezeTrainer(RefreezeTrainer):
+    """The same under manual optimization, ``backward(loss, optimizer=...)`` naming the optimizer's tensors."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.backward(loss, optimizer=self.optimizer)
+        self.step(self.optimizer)
+        return loss.detach()
+
+
+@pytest.mark.parametrize("trainer_class", [RefreezeTrainer, AdamRefreezeTrainer, ManualRefreezeTrainer])
+def test_a_layer_frozen_after_it_trained_keeps_its_master_through_a_resume(tmp_path, trainer_class):
+    """A layer frozen after it trained keeps its fp32 master (its bits below fp16, Adam's fp32 state). A resume while
+    it is frozen gives it back from the checkpoint, so the run unfreezing it later continues bit-identically. Under
+    manual optimization, ``backward(optimizer=...)`` named the frozen layer through its master (a RuntimeError in
+    autograd), and after the resume left the unfrozen layer out (its master, made while it was frozen, did not ask)."""
+    precision = {"opt_level": "O2", "dtype": "float16"}
+    three = {"max_epochs": 3}
+    full, _ = _fit_fine_tuning(tmp_path / "full", trainer_class, trainer_cfg=three, **precision)
+    every_6 = {"enabled": True, "every_n_steps": 6, "every_n_epochs": 0}  # step 6: in epoch 1, the layer frozen
+    part, _ = _fit_fine_tuning(
+        tmp_path / "part", trainer_class, trainer_cfg={**three, "max_steps": 6}, checkpoint=every_6, **precision
+    )
+    path = Path(part.version_dir, "checkpoints", "step-00000006.pt")
+    resumed, sizes = _fit_fine_tuning(
+        tmp_path / "part", trainer_class, resume=path, trainer_cfg=three, checkpoint=every_6, **precision
+    )
+    assert sizes.at_start == _ALL_MASTER_BYTES
+    for key, value in params_of(full).items():
+        assert torch.equal(value, params_of(resumed)[key]), key
+    assert all(torch.equal(a, b) for a, b in zip(_optimizer_tensors(full), _optimizer_tensors(resumed), strict=True))
+
+
 class SparseEmbeddingTrainer(ampkit.Trainer):
     """An ``Embedding(sparse=True)`` under SGD: its gradients are sparse tensors with repeated rows."""
 

@@ -178,12 +178,20 @@ def test_o2_gives_masters_only_to_parameters_that_require_a_gradient_as_apexs_la
     for got, want in zip(amp.master_params(optimizer2), amp.master_params(optimizer), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
-    # a checkpoint of ampkit before this (a master for each fp16 parameter) still loads: the frozen ones keep theirs
+    # a checkpoint of ampkit before this (a master for each fp16 parameter, a frozen one's equal to its value) still
+    # loads: the frozen ones keep their values, and get no master
     frozen_left = iter(frozen)
-    older = [next(frozen_left).detach().float() + 1 if m is None else m.clone() for m in saved]
+    older = [next(frozen_left).detach().float() if m is None else m.clone() for m in saved]
     old = dict(state, ampkit_master_weights={"master_params": older})
     optimizer2.load_state_dict(old)
     assert torch.equal(model2[0].weight, model[0].weight)
+    assert sum(m is p for m in amp.master_params(optimizer2) for p in model2[0].parameters()) == 2
+    # one whose master holds more than its fp16 value trained before it was frozen: it gets that master back
+    older[0] = older[0] + 2.0**-20
+    optimizer2.load_state_dict(dict(state, ampkit_master_weights={"master_params": older}))
+    master = next(iter(amp.master_params(optimizer2)))
+    assert master.dtype == torch.float32 and torch.equal(master, older[0])
+    assert torch.equal(model2[0].weight, older[0].half())
 
 
 def test_a_frozen_o2_parameter_unfrozen_later_gets_its_master_then():

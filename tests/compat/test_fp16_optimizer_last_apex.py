@@ -2,6 +2,7 @@
 update_master_grads, Apex's step / closure / zero_grad control flow, its attribute surface, LARC, checkpoints."""
 
 import copy
+import io
 import pickle
 import types
 
@@ -425,3 +426,85 @@ def test_load_state_dict_reads_apex_checkpoints():
     assert restored.loss_scale == optimizer.loss_scale and restored.loss_scaler._unskipped == 1
     for got, want in zip(restored.all_fp32_from_fp16_params, optimizer.all_fp32_from_fp16_params, strict=True):
         assert torch.equal(got, want)
+
+
+def _frozen_first_layer(momentum=0.0):
+    """_model() with its first layer frozen (a fine-tuned backbone) though the optimizer holds every param."""
+    model = _model()
+    model[0].requires_grad_(False)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    return model, FP16_Optimizer(sgd, dynamic_loss_scale=True, verbose=False)
+
+
+def _are(tensors, others) -> bool:
+    """Whether ``tensors`` are ``others`` themselves, one for one."""
+    others = list(others)
+    return len(tensors) == len(others) and all(t is o for t, o in zip(tensors, others, strict=True))
+
+
+def _train(model, optimizer, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        optimizer.backward(model(torch.randn(8, 4, generator=gen).half()).float().pow(2).mean())
+        optimizer.step()
+
+
+def test_a_frozen_param_stays_in_its_group_without_an_fp32_copy_as_apex():
+    """Apex's FP16_Optimizer skipped a param with requires_grad False: it stayed in its group as it was, the fp16
+    param, in none of the lists. ampkit made it an fp32 master too ("for unfreezing"): 4 bytes a param for nothing."""
+    model, optimizer = _frozen_first_layer()
+    frozen = list(model[0].parameters())
+    held = _masters(optimizer)
+    assert _are(held[:2], frozen) and [m.dtype for m in held[2:]] == [torch.float32] * 2
+    assert optimizer.fp16_groups == [[model[2].weight, model[2].bias]]
+    _train(model, optimizer, 2, seed=3)
+    state = optimizer.state_dict()
+    assert [len(g["params"]) for g in state["optimizer_state_dict"]["param_groups"]] == [4]
+    assert [m is None for m in state["fp32_from_fp16"]] == [True, True, False, False]
+
+    restored_model, restored = _frozen_first_layer()
+    restored_model.load_state_dict(model.state_dict())
+    restored.load_state_dict(state)
+    assert _are(_masters(restored)[:2], restored_model[0].parameters())
+    assert all(torch.equal(a, b) for a, b in zip(_masters(restored), _masters(optimizer), strict=True))
+    # a checkpoint of ampkit before this (a master for every fp16 param, a frozen one's equal to its value) loads: the
+    # frozen params keep their values and get no master
+    older = [p.detach().float() for p in frozen] + state["fp32_from_fp16"][2:]
+    restored.load_state_dict({**state, "fp32_from_fp16": older})
+    assert _are(_masters(restored)[:2], restored_model[0].parameters())
+    assert all(torch.equal(a, b) for a, b in zip(restored_model.parameters(), model.parameters(), strict=True))
+
+    # unfrozen, in the original and the restored run alike: the next backward gives the layer its master
+    before = model[0].weight.detach().clone()
+    for m, o in ((model, optimizer), (restored_model, restored)):
+        m[0].requires_grad_(True)
+        _train(m, o, 2, seed=4)
+        assert [t.dtype for t in _masters(o)] == [torch.float32] * 4
+    assert not torch.equal(model[0].weight, before)
+    for a, b in zip(restored_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_param_frozen_after_it_trained_gets_its_master_and_state_back_from_a_checkpoint():
+    """A layer that trained, then froze, keeps its fp32 master and momentum; a restored optimizer (its layer frozen at
+    wrapping, so without a master) takes both back from the checkpoint, and trains on as the original once unfrozen."""
+    model, optimizer = _frozen_first_layer(momentum=0.9)
+    model[0].requires_grad_(True)
+    _train(model, optimizer, 2, seed=3)
+    model[0].requires_grad_(False)
+    buffer = io.BytesIO()  # through a file, as a checkpoint: in memory the two optimizers would share state tensors
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    restored_model, restored = _frozen_first_layer(momentum=0.9)
+    restored_model.load_state_dict(model.state_dict())
+    restored.load_state_dict(state)
+    for got, want in zip(_masters(restored), _masters(optimizer), strict=True):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert torch.equal(restored.state[got]["momentum_buffer"], optimizer.state[want]["momentum_buffer"])
+    for m, o in ((model, optimizer), (restored_model, restored)):
+        m[0].requires_grad_(True)
+        _train(m, o, 2, seed=4)
+    for a, b in zip(restored_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -12,9 +12,11 @@ verdict ``overflow`` makes the next ``step()`` skip without touching anything. T
 Built on ampkit's engine: :class:`~ampkit.amp.MasterWeights` holds the masters, :class:`~ampkit.amp.GradientCombiner`
 unscales each backward's new gradients into the master grads (Apex overwrote the master grads with the
 accumulated fp16 grads divided by the current scale, wrong once the scale moved between backwards) and the scaler
-is :class:`~ampkit.compat.amp.scaler.ApexLossScaler`. Differences from Apex: any device and fp16 or bf16 models;
-``state_dict()`` saves the scaler as a dict and the masters as one flat list (``load_state_dict`` also reads
-Apex's pickled-scaler, per-group form); no deprecation banner.
+is :class:`~ampkit.compat.amp.scaler.ApexLossScaler`. As in Apex, a param frozen when the optimizer is wrapped gets no
+master: it stays in its group as it is. Differences from Apex: any device and fp16 or bf16 models; a frozen param
+unfrozen later gets its master at the next backward; ``state_dict()`` saves the scaler as a dict and the masters as
+one flat list, None for a param without one (``load_state_dict`` also reads Apex's pickled-scaler, per-group form);
+no deprecation banner.
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
                     raise TypeError(
                         f"Wrapped parameters must be float32, float16 or bfloat16 tensors. Received {param.type()}"
                     )
-        self.master_weights = MasterWeights(_torch_optimizer(init_optimizer))
+        # As Apex: masters for the params that require a gradient; a frozen one stays in its group as it is (no fp32
+        # copy) until it is unfrozen, when the next backward gives it its master.
+        self.master_weights = MasterWeights(_torch_optimizer(init_optimizer), frozen_masters=False)
         self._build_groups()
         # As Apex: state made on the fp16 params moved to the masters above; a state_dict round trip recasts it
         # to the masters' fp32 (torch's load_state_dict casts floating state to its param's dtype).
@@ -127,13 +131,6 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         self.multi_tensor_scale = amp_c.multi_tensor_scale
         device = self.all_fp16_params[0].device if self.all_fp16_params else torch.device("cpu")
         self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
-        # Every param, frozen ones too (Apex's lists above hold the trainable ones): one unfrozen later has its
-        # gradients unscaled into its master and the master copied back, where Apex stepped it in fp16 on its scaled
-        # gradients. The model keeps its (scaled) fp16 grads after each backward, as Apex's copy into the masters left
-        # them: scripts log a grad norm over model.parameters() or check that every param got one.
-        pairs = list(zip(self.master_weights.model_params, self.master_weights.master_params, strict=True))
-        self._combiner = GradientCombiner([p for p, _ in pairs], [m for _, m in pairs], keep_param_grads=True)
-        self._low_pairs = [(p, m) for p, m in pairs if m is not p]
         # Whether a backward since the last zero_grad overflowed (update_scale's verdict, a script's agreed across
         # ranks included): its inf stays in the accumulated master grads, so (as Apex, which re-checked the
         # accumulated fp16 grads) every later update_master_grads sees it again, with nothing to read.
@@ -141,8 +138,30 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         self._stepped = False  # a step or a skip since the last backward: the next one restarts the master grads
         # Each model param's grad as the last update_master_grads left it (the tensor and its version), or None:
         # at the first backward after a step it tells whether the script zeroed it, set it to None, or kept it.
-        self._left_grads: list[tuple[torch.Tensor, int] | None] = [None] * len(self._low_pairs)
-        self._grads_before: list[torch.Tensor | None] = [None] * len(self._low_pairs)  # as the pending backward began
+        self._left_grads: list[tuple[torch.Tensor, int] | None] = []
+        self._grads_before: list[torch.Tensor | None] = []  # as the pending backward began
+        self._low_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pair_up()
+
+    def _pair_up(self) -> None:
+        """The gradient combiner over every param, frozen ones too (Apex's lists above hold the trainable ones): one
+        unfrozen later has its gradients unscaled into its master and the master copied back, where Apex stepped it
+        in fp16 on its scaled gradients. The model keeps its (scaled) fp16 grads after each backward, as Apex's copy
+        into the masters left them: scripts log a grad norm over model.parameters() or check that every param got
+        one. Rebuilt when a param gets its master after set-up (unfrozen, or given its saved one back)."""
+        pairs = list(zip(self.master_weights.model_params, self.master_weights.master_params, strict=True))
+        self._combiner = GradientCombiner([p for p, _ in pairs], [m for _, m in pairs], keep_param_grads=True)
+        left = {id(p): grads for (p, _), grads in zip(self._low_pairs, self._left_grads, strict=True)}
+        self._low_pairs = [(p, m) for p, m in pairs if m is not p]
+        self._left_grads = [left.get(id(p)) for p, _ in self._low_pairs]
+        self._grads_before = [None] * len(self._low_pairs)
+
+    def _gained_masters(self) -> bool:
+        """Whether a param got its master since :meth:`_pair_up` last ran."""
+        masters = self.master_weights
+        return sum(m is not p for p, m in zip(masters.model_params, masters.master_params, strict=True)) != len(
+            self._low_pairs
+        )
 
     def _build_groups(self) -> None:
         """Apex's per-group lists of the trainable params: fp16 (model) / fp32 master pairs, and fp32 params."""
@@ -257,6 +276,8 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         # by truthiness "False" unscaled after this backward, where the caller meant to accumulate first
         update_master_grads = checked_switch("FP16_Optimizer.backward", "update_master_grads", update_master_grads)
         if not self._combiner.pending:
+            if self.master_weights.adopt_unfrozen():  # its fp32 master before its first step
+                self._pair_up()
             if self._stepped:
                 self._restart_master_grads()
             self._grads_before = [p.grad for p, _ in self._low_pairs]
@@ -423,8 +444,12 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         saved = state_dict["fp32_from_fp16"]
         if any(isinstance(s, (list, tuple)) for s in saved):
             self._load_apex_masters(saved)
-        else:
-            self.master_weights.load_state_dict({"master_params": saved})
+            return
+        self.master_weights.load_state_dict({"master_params": saved})
+        if self._gained_masters():
+            # a frozen param that trained before it was frozen got its saved master back: its state onto it, in fp32
+            self._pair_up()
+            self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
 
     def _load_apex_scaler(self, scaler: Any) -> None:
         """Take the settings and state of Apex's pickled ``LossScaler`` (Apex replaced its scaler by it)."""
