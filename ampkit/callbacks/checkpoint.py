@@ -587,10 +587,12 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
         previous, named, replacing = self._newest, self._named_last, self._replacing
+        # as Lightning's, first; before anything is recorded: a name set anew since the fit started may be refused
+        named_now = last_file_name(self, trainer.state.epoch, trainer.state.global_step)
         if filename != best:  # a step or epoch file (a best-k one alone is named after its ranking), recorded first:
             self._newest = Path(filename).stem if trainer.sharded else filename  # its own state names it
-        self._named_last = last_file_name(self, trainer.state.epoch, trainer.state.global_step)  # as Lightning's, first
-        self._replacing = named if named != self._named_last else None  # its state names both: a resume finds both
+        self._named_last = named_now
+        self._replacing = named if named != named_now else None  # its state names both: a resume finds both
         try:
             return self._write_everywhere(trainer, filename, best, named)
         except BaseException:  # a failed save (a full disk): best_model_path names the file before it, which is there

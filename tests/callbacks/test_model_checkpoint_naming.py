@@ -5,10 +5,12 @@ refused where changed, naming why, instead of being silently ignored."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from toy_trainers import ToyTrainer, toy_cfg
 
+from ampkit import Callback
 from ampkit.callbacks import ModelCheckpoint
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 
@@ -119,3 +121,20 @@ def test_a_resume_removes_the_last_copy_a_killed_save_was_replacing_and_never_a_
     _fit(tmp_path, again, epochs=4, resume="last")
     named = ["epoch=3-last.pt", "last.pt"] if removed else ["epoch=1-last.pt", "epoch=3-last.pt", "last.pt"]
     assert sorted(p.name for p in directory.glob("*last*")) == named
+
+
+def test_a_last_name_made_invalid_mid_run_refuses_the_save_and_best_model_path_still_names_a_written_file(tmp_path):
+    """The last name is formatted as a save starts, so one set anew mid-run (checked at the fit's start only) is refused
+    there: the refusal left best_model_path (and the state a later save writes) naming the file never written."""
+    callback = ModelCheckpoint()
+
+    class Renames(Callback):
+        def on_train_epoch_start(self, trainer) -> None:
+            if trainer.state.epoch == 1:
+                callback.CHECKPOINT_NAME_LAST = "{loss}-last"
+
+    run = ToyTrainer(toy_cfg(tmp_path, **SETTINGS, **{"trainer.max_epochs": 3}), callbacks=[callback, Renames()])
+    with pytest.raises(ValueError, match=r"CHECKPOINT_NAME_LAST = '\{loss\}-last' is invalid: its field \{loss\}"):
+        run.fit()
+    assert Path(callback.best_model_path).name == "epoch-0001.pt" and Path(callback.best_model_path).is_file()
+    assert callback.state_dict()["newest"] == "epoch-0001.pt"
