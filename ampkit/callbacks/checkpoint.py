@@ -381,7 +381,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         if name is None or name == self._named_last:
             return
         path = directory / name
-        if path.is_symlink() or not path.is_file() or not _names_itself_last(path):
+        if not _own_file(path) or not _names_itself_last(path):
             return
         with _deleting(directory, "the CHECKPOINT_NAME_LAST copy a killed save was replacing"):
             for left in deletable([path], self._protected):  # a write-protected one stays, named in a warning
@@ -687,8 +687,8 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             copy_atomic(path, writing := directory / "last.pt")
             for name in named:
                 copy_atomic(path, writing := directory / name)
-            if replaced_last not in (None, *named) and not foreign_file(writing := directory / replaced_last):
-                (directory / replaced_last).unlink(missing_ok=True)  # Lightning's save_last removes the previous too
+            if replaced_last not in (None, *named) and _own_file(writing := directory / replaced_last):
+                writing.unlink(missing_ok=True)  # Lightning's save_last removes the previous too
         except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
             reason = exc.strerror or str(exc)
             if directory.exists() and not directory.is_dir():  # mkdir's bare "File exists" named no culprit
@@ -784,6 +784,12 @@ def _watching(monitor: Monitor | None, save_top_k: int) -> Monitor | None:
             "without a monitor keeps every one)"
         )
     return monitor
+
+
+def _own_file(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint file ampkit may remove: a file, not a link (the user's, even to a checkpoint)
+    nor a folder, holding an ampkit checkpoint."""
+    return not path.is_symlink() and path.is_file() and not foreign_file(path)
 
 
 def _names_itself_last(path: Path) -> bool:

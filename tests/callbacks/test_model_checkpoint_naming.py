@@ -138,3 +138,24 @@ def test_a_last_name_made_invalid_mid_run_refuses_the_save_and_best_model_path_s
         run.fit()
     assert Path(callback.best_model_path).name == "epoch-0001.pt" and Path(callback.best_model_path).is_file()
     assert callback.state_dict()["newest"] == "epoch-0001.pt"
+
+
+@pytest.mark.parametrize("kind", ["folder", "dangling link"])
+def test_a_user_s_folder_or_link_at_the_previous_last_name_stays_and_the_save_goes_on(tmp_path, kind):
+    """The next save removes the previous copy only where it is ampkit's file: a folder of the user's there made the
+    removal fail after last.pt was written, stopping the run as a failed save, and a link of theirs was deleted."""
+    callback = ModelCheckpoint()
+    callback.CHECKPOINT_NAME_LAST = "{epoch}-last"
+
+    class Replaces(Callback):
+        def on_train_epoch_start(self, trainer) -> None:
+            if trainer.state.epoch == 1:  # the user's thing where epoch 0's copy was
+                mine = trainer.version_dir / "checkpoints" / "epoch=0-last.pt"
+                mine.unlink()
+                mine.mkdir() if kind == "folder" else mine.symlink_to("elsewhere")
+
+    run = ToyTrainer(toy_cfg(tmp_path, **SETTINGS, **{"trainer.max_epochs": 2}), callbacks=[callback, Replaces()])
+    run.fit()
+    mine = run.version_dir / "checkpoints" / "epoch=0-last.pt"
+    assert (mine.is_dir() if kind == "folder" else mine.is_symlink()) and run.state.epoch == 2
+    assert (run.version_dir / "checkpoints" / "epoch=1-last.pt").is_file()
