@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import glob
 import numbers
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -40,7 +42,7 @@ from ampkit.trainer.checkpoint_io import (
 from ampkit.trainer.distributed import broadcast_object, decided_by_rank_zero
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import Preempted
-from ampkit.trainer.run_life import loop_of, prune_periodic
+from ampkit.trainer.run_life import half_written, loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
     copy_sharded,
@@ -54,6 +56,7 @@ from ampkit.trainer.sharded_checkpoint import (
     training_order,
     write_failure,
 )
+from ampkit.trainer.temp_names import temp_name_of
 from ampkit.trainer.waiting import barrier
 from ampkit.wording import shown
 
@@ -352,6 +355,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         if not directory.is_dir():
             return
         if self._restored:
+            self._remove_named_temps(directory)
             self._remove_replaced_last(directory)
         if not self._restored or (self.monitor is None and not self.best_k and not self.kept):
             # No ranking of its own to tidy by: the best files there are another ModelCheckpoint's, or of a ranking
@@ -373,6 +377,15 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         else:
             self._recopy_best(directory)
         self._prune(directory)
+
+    def _remove_named_temps(self, directory: Path) -> None:
+        """Remove the temp files a kill left while copying to the ``CHECKPOINT_NAME_LAST`` names the resumed state names
+        (``.<name>.<random>.tmp``, which the fit's tidy, knowing ampkit's own names alone, keeps): only one holding what
+        a killed copy leaves there, never a user's file under such a name."""
+        for name in {self._named_last, self._replacing} - {None}:
+            for path in directory.glob(f".{glob.escape(name)}.*.tmp"):
+                if temp_name_of(path.name, "tmp", re.escape(name)) and not path.is_symlink() and half_written(path):
+                    path.unlink(missing_ok=True)
 
     def _remove_replaced_last(self, directory: Path) -> None:
         """Remove the ``CHECKPOINT_NAME_LAST`` copy the resumed save replaced, where a kill before its removal left it:

@@ -159,3 +159,19 @@ def test_a_user_s_folder_or_link_at_the_previous_last_name_stays_and_the_save_go
     mine = run.version_dir / "checkpoints" / "epoch=0-last.pt"
     assert (mine.is_dir() if kind == "folder" else mine.is_symlink()) and run.state.epoch == 2
     assert (run.version_dir / "checkpoints" / "epoch=1-last.pt").is_file()
+
+
+def test_a_resume_removes_the_temp_file_a_killed_copy_to_the_last_name_left_and_keeps_a_user_s(tmp_path):
+    """The copy to the CHECKPOINT_NAME_LAST name goes through ``.<name>.<random>.tmp``, which the fit's tidy (knowing
+    only ampkit's own names) kept for good after a kill: a checkpoint's size each time. The resume that names the copy
+    removes what a killed copy leaves there (the start of torch's archive); a file of the user's there stays."""
+    callback = ModelCheckpoint()
+    callback.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    directory = _fit(tmp_path, callback, epochs=2).version_dir / "checkpoints"
+    killed, notes = directory / ".epoch=1-last.pt.k1ll3d_x.tmp", directory / ".epoch=1-last.pt.mynotes1.tmp"
+    killed.write_bytes((directory / "last.pt").read_bytes()[:100])
+    notes.write_text("my notes")
+    again = ModelCheckpoint()
+    again.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    _fit(tmp_path, again, epochs=3, resume="last")
+    assert not killed.exists() and notes.read_text() == "my notes"
