@@ -505,6 +505,19 @@ def test_a_call_by_lightning_s_positional_order_is_refused_saying_so(build, give
     assert given in str(refused.value) and order in str(refused.value) and "by keyword" in str(refused.value)
 
 
+def test_a_port_s_drop_in_subclass_named_as_ours_hears_our_positional_order_not_its_own():
+    """A port's ``class ModelCheckpoint(ampkit's)`` with Lightning's ``__init__(dirpath, ...)`` passing on by position
+    was told ampkit's order is its own ``(dirpath)``: the class was looked up by name, finding the subclass."""
+
+    class Drop(ModelCheckpoint):
+        def __init__(self, dirpath: str = "ckpts/") -> None:
+            super().__init__(dirpath)
+
+    Drop.__name__ = "ModelCheckpoint"  # class ModelCheckpoint(ampkit.callbacks.ModelCheckpoint)
+    with pytest.raises(ValueError, match=r"as ModelCheckpoint's own order is \(every_n_steps, every_n_epochs, keep_l"):
+        Drop()
+
+
 @pytest.mark.parametrize("name", ["every_n_steps", "every_n_epochs"])
 def test_lightning_s_none_interval_is_refused_naming_what_gives_its_saves(name):
     """Lightning's every_n_epochs=None (its default) means 1 or 0 by the other intervals: refused as only 'expected an

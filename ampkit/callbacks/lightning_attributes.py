@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-from ampkit.lightning_settings import LIGHTNING_CALLBACK_ARGUMENTS
+from ampkit.lightning_settings import LIGHTNING_CALLBACK_ARGUMENTS, ampkit_class_named
 from ampkit.wording import shown
 
 # Lightning's attributes that change only what a callback prints, which ampkit prints regardless: nothing of a run
@@ -46,14 +46,15 @@ class RefusesLightningAttributes:
 
 def _refusal(cls: type, name: str) -> tuple[type, str] | None:
     """The ampkit class and why ``cls`` refuses Lightning's attribute ``name``; None for any other, or one a subclass
-    declares. The ampkit class is known by its module too: a user's subclass may be named ``ModelCheckpoint``."""
-    for klass in cls.__mro__:
-        refused = LIGHTNING_CALLBACK_ARGUMENTS.get(klass.__name__)
-        if refused is not None and klass.__module__.startswith("ampkit."):  # the ampkit class the subclass extends
-            return (klass, _said(klass.__name__, name, refused[name])) if name in refused else None
+    declares (in its class body, before the ampkit class in its line)."""
+    base = ampkit_class_named(cls, LIGHTNING_CALLBACK_ARGUMENTS)
+    refused = {} if base is None else LIGHTNING_CALLBACK_ARGUMENTS[base.__name__]
+    if name not in refused:
+        return None
+    for klass in cls.__mro__[: cls.__mro__.index(base)]:
         if name in vars(klass) or name in vars(klass).get("__annotations__", {}):
             return None
-    return None
+    return base, _said(base.__name__, name, refused[name])
 
 
 def _on_rank_zero() -> bool:
