@@ -136,16 +136,17 @@ def ampkit_class_named(cls: type, table: dict[str, Any]) -> type | None:
     return next((k for k in cls.__mro__ if k.__name__ in table and k.__module__.startswith("ampkit.")), None)
 
 
-def lightning_positional_error(cls: type, name: str, value: Any) -> ValueError:
+def lightning_positional_error(cls: type, name: str, value: Any, refusal: str | None = None) -> ValueError:
     """The refusal of ``value`` given for ``cls``'s argument ``name`` where a call by Lightning's positional order puts
-    one of its other arguments (``EarlyStopping("val_loss", 0.01, 5)``: min_delta where ampkit takes ``mode``)."""
+    one of its other arguments (``EarlyStopping("val_loss", 0.01, 5)``: min_delta where ampkit takes ``mode``).
+    ``refusal`` is the error the value gets as this argument (by keyword too: the order is only a likely cause)."""
     base = ampkit_class_named(cls, LIGHTNING_POSITIONAL_ORDER)  # a subclass's own __init__ aside
     parameters = list(inspect.signature(base.__init__).parameters.values())[1:]
     ours = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    head = refusal or f"{cls.__name__}: {name}={shown(value)} is invalid"
     return ValueError(
-        f"{cls.__name__}: {name}={shown(value)} is invalid, and the call looks like Lightning's positional order "
-        f"({LIGHTNING_POSITIONAL_ORDER[base.__name__]}); pass them by keyword, as {base.__name__}'s own order is "
-        f"({', '.join(ours)})"
+        f"{head}; a call written for Lightning's positional order ({LIGHTNING_POSITIONAL_ORDER[base.__name__]}) puts "
+        f"its arguments here: pass them by keyword, as {base.__name__}'s own order is ({', '.join(ours)})"
     )
 
 

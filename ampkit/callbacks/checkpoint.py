@@ -115,7 +115,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             ("keep_last", keep_last),
         ):
             if isinstance(value, (str, os.PathLike)):  # Lightning's dirpath, filename and monitor come first
-                raise lightning_positional_error(type(self), name, value)
+                raise lightning_positional_error(type(self), name, value, _interval_refusal(name, value))
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
             _interval(name, value, positional=True)  # None: Lightning's default, or its dirpath or filename
         self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs  # each checked as it is set
@@ -772,6 +772,16 @@ def _interval(name: str, value: Any, positional: bool = False) -> int:
         )
         raise ValueError(f"ModelCheckpoint: {name}=None is not taken here; {LIGHTNING_NONE_INTERVAL}{by_position}")
     return interval_option(value, f"ModelCheckpoint: {name}", zero_means="never")
+
+
+def _interval_refusal(name: str, value: Any) -> str | None:
+    """The error ``value`` gets as ``every_n_steps``, ``every_n_epochs`` or ``keep_last`` (``name``), or None where
+    it is a valid one."""
+    try:
+        interval_option(value, f"ModelCheckpoint: {name}", zero_means=None if name == "keep_last" else "never")
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _top_k(save_top_k: Any) -> int:
