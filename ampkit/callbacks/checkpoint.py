@@ -689,7 +689,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         new_best = best is not None and best == next(iter(self.best_k))  # best.pt copies it (else it holds it already)
         names = [filename, *([best] if best not in (None, filename) else []), *(["best.pt"] if new_best else [])]
         named = [] if self._named_last is None else [self._named_last]
-        writing = directory / filename
+        writing, last_moved = directory / filename, False
         try:
             for name in (*names, "last.pt", *named):  # a file of the user's at any stops the save before it writes
                 refuse_foreign(writing := directory / name)
@@ -698,6 +698,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             for name in names[1:]:
                 copy_atomic(path, writing := directory / name)
             copy_atomic(path, writing := directory / "last.pt")
+            last_moved = True
             for name in named:
                 copy_atomic(path, writing := directory / name)
             if replaced_last not in (None, *named) and _own_file(writing := directory / replaced_last):
@@ -706,6 +707,14 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             reason = exc.strerror or str(exc)
             if directory.exists() and not directory.is_dir():  # mkdir's bare "File exists" named no culprit
                 reason = f"'{directory}' is a file now, not the checkpoints folder; ampkit leaves it as it is"
+            if last_moved:  # this save is whole, last.pt too: only the named copy (or the removal of the one before)
+                raise from_storage(
+                    CheckpointError(
+                        f"could not write or replace the CHECKPOINT_NAME_LAST copy '{writing}' ({reason}); last.pt "
+                        f"holds this save's checkpoint ('{path}'), and --resume last continues from it"
+                    ),
+                    exc,
+                ) from None
             raise _save_failed(writing, reason, directory / "last.pt", path, exc, trainer.rank_zero_last) from None
         self._prune(directory)
         return path

@@ -4,6 +4,7 @@ refused where changed, naming why, instead of being silently ignored."""
 
 from __future__ import annotations
 
+import errno
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback
 from ampkit.callbacks import ModelCheckpoint
+from ampkit.callbacks import checkpoint as checkpoint_module
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 
 # 48 samples in batches of 8: 6 iterations an epoch
@@ -175,3 +177,25 @@ def test_a_resume_removes_the_temp_file_a_killed_copy_to_the_last_name_left_and_
     again.CHECKPOINT_NAME_LAST = "{epoch}-last"
     _fit(tmp_path, again, epochs=3, resume="last")
     assert not killed.exists() and notes.read_text() == "my notes"
+
+
+def test_a_full_disk_at_the_last_name_s_copy_says_last_pt_holds_this_save(tmp_path, monkeypatch):
+    """The named copy is written after last.pt: its failure (a full disk) was told as 'last.pt still holds the previous
+    checkpoint', while last.pt held this save's, and a resume by that word would have gone back a save."""
+    real_copy = checkpoint_module.copy_atomic
+
+    def full_at_the_named_copy(source, alias):
+        if alias.name == "epoch=0-last.pt":
+            raise OSError(errno.ENOSPC, "No space left on device", str(alias))
+        real_copy(source, alias)
+
+    monkeypatch.setattr(checkpoint_module, "copy_atomic", full_at_the_named_copy)
+    callback = ModelCheckpoint()
+    callback.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    with pytest.raises(CheckpointError) as failed:
+        _fit(tmp_path, callback, epochs=1)
+    said = str(failed.value)
+    assert "'epoch=0-last.pt'" not in said and "epoch=0-last.pt' (No space left on device)" in said
+    assert "last.pt holds this save's checkpoint" in said and "previous" not in said
+    written = tmp_path / "run" / "version_0" / "checkpoints"
+    assert load_checkpoint(written / "last.pt")["loop"] == load_checkpoint(written / "epoch-0001.pt")["loop"]
