@@ -129,16 +129,24 @@ LIGHTNING_POSITIONAL_ORDER: dict[str, str] = {
 }
 
 
-def lightning_positional_error(cls: type, name: str, value: Any) -> ValueError:
+def ampkit_class_named(cls: type, table: dict[str, Any]) -> type | None:
+    """The class of ampkit's own in ``cls``'s line (``cls`` itself, or the one a subclass extends) that ``table`` is
+    keyed by, or None. Known by its module as well as its name: a port's drop-in ``class ModelCheckpoint(...)`` of its
+    own shares the name."""
+    return next((k for k in cls.__mro__ if k.__name__ in table and k.__module__.startswith("ampkit.")), None)
+
+
+def lightning_positional_error(cls: type, name: str, value: Any, refusal: str | None = None) -> ValueError:
     """The refusal of ``value`` given for ``cls``'s argument ``name`` where a call by Lightning's positional order puts
-    one of its other arguments (``EarlyStopping("val_loss", 0.01, 5)``: min_delta where ampkit takes ``mode``)."""
-    base = next(k for k in cls.__mro__ if k.__name__ in LIGHTNING_POSITIONAL_ORDER)  # a subclass's own __init__ aside
+    one of its other arguments (``EarlyStopping("val_loss", 0.01, 5)``: min_delta where ampkit takes ``mode``).
+    ``refusal`` is the error the value gets as this argument (by keyword too: the order is only a likely cause)."""
+    base = ampkit_class_named(cls, LIGHTNING_POSITIONAL_ORDER)  # a subclass's own __init__ aside
     parameters = list(inspect.signature(base.__init__).parameters.values())[1:]
     ours = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    head = refusal or f"{cls.__name__}: {name}={shown(value)} is invalid"
     return ValueError(
-        f"{cls.__name__}: {name}={shown(value)} is invalid, and the call looks like Lightning's positional order "
-        f"({LIGHTNING_POSITIONAL_ORDER[base.__name__]}); pass them by keyword, as {base.__name__}'s own order is "
-        f"({', '.join(ours)})"
+        f"{head}; a call written for Lightning's positional order ({LIGHTNING_POSITIONAL_ORDER[base.__name__]}) puts "
+        f"its arguments here: pass them by keyword, as {base.__name__}'s own order is ({', '.join(ours)})"
     )
 
 
@@ -146,10 +154,8 @@ def lightning_arguments_error(cls: type, names: list[str]) -> TypeError:
     """The TypeError of ``cls(**kwargs)`` given arguments ``names`` it lacks: each Lightning one with what does its
     work here (``every_n_train_steps: every_n_steps``), and the arguments ``cls`` takes."""
     # A subclass (class MyCheckpoint(ModelCheckpoint)) takes the arguments of the ampkit class it extends
-    known = next(
-        (LIGHTNING_CALLBACK_ARGUMENTS[k.__name__] for k in cls.__mro__ if k.__name__ in LIGHTNING_CALLBACK_ARGUMENTS),
-        {},
-    )
+    base = ampkit_class_named(cls, LIGHTNING_CALLBACK_ARGUMENTS)
+    known = {} if base is None else LIGHTNING_CALLBACK_ARGUMENTS[base.__name__]
     said = [f"{name} (Lightning's; here: {known[name]})" if name in known else name for name in sorted(names)]
     parameters = inspect.signature(cls.__init__).parameters.values()
     takes = [p.name for p in parameters if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]

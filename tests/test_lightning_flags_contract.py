@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback, ConfigError
-from ampkit.callbacks import EarlyStopping, ModelCheckpoint
+from ampkit.callbacks import EarlyStopping, ModelCheckpoint, lightning_attributes
+from ampkit.callbacks.lightning_attributes import SAID_ANYWAY
 from ampkit.config import Config, build_config
 
 
@@ -345,7 +346,7 @@ def test_every_lightning_callback_argument_is_taken_or_refused_naming_what_does_
     + [(EarlyStopping, name, value) for name, value in LIGHTNING_EARLY_STOPPING_ARGUMENTS.items()],
 )
 def test_every_lightning_attribute_set_after_construction_takes_effect_or_is_refused_naming_what_does_its_work(
-    cls, name, value, subclassed
+    cls, name, value, subclassed, monkeypatch
 ):
     """Lightning's are plain attributes a port sets later (``ckpt.monitor = "val/acc"``, ``ckpt.dirpath = ...``). A
     monitor set so stayed a str where a Monitor is read (the first save crashed); the others became attributes nothing
@@ -353,6 +354,12 @@ def test_every_lightning_attribute_set_after_construction_takes_effect_or_is_ref
     built = type(f"My{cls.__name__}", (cls,), {}) if subclassed else cls
     needs = {"monitor": "val/mse"} if cls is EarlyStopping else {}
     callback = built(**needs)
+    monkeypatch.setattr(lightning_attributes, "_warned", set())  # each class's is said once in a process
+    if name in SAID_ANYWAY:  # what it says, ampkit says anyway: kept, said once (a ported subclass's own still works)
+        with pytest.warns(UserWarning, match=f"^{built.__name__}.{name} = .* is kept but changes nothing: it is Light"):
+            setattr(callback, name, value)
+        assert vars(callback)[name] == value
+        return
     if name not in inspect.signature(cls.__init__).parameters:
         with pytest.raises(AttributeError, match=f"^{built.__name__}.{name} = .* is not taken: it is Lightning's"):
             setattr(callback, name, value)
@@ -387,6 +394,54 @@ def test_a_bad_value_set_after_construction_gets_the_constructor_s_error_and_cha
         setattr(callback, name, value)
     assert str(assigned.value) == str(constructed.value)
     assert (str(callback.monitor), callback.mode, getattr(callback, name)) == before
+
+
+def test_a_ported_subclass_setting_lightning_names_in_its_init_constructs_where_harmless_and_hears_how_to_keep_others(
+    monkeypatch,
+):
+    """A ported Lightning subclass's ``self.verbose = verbose`` (read by its own code) raised at construction: ampkit
+    says what verbose said anyway, so it is kept with one warning. ``self.dirpath = ...`` (where Lightning writes) is
+    still refused, naming the class-body declaration that keeps it the subclass's own; a user's subclass named
+    ``ModelCheckpoint`` (a port's drop-in) keeps a name it declares, as any subclass does."""
+    monkeypatch.setattr(lightning_attributes, "_warned", set())
+
+    class Ported(ModelCheckpoint):
+        def __init__(self, verbose: bool = False, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.verbose = verbose
+
+        def said(self) -> bool:
+            return self.verbose
+
+    class PortedStopping(EarlyStopping):
+        def __init__(self, monitor: str, verbose: bool = False, log_rank_zero_only: bool = False) -> None:
+            super().__init__(monitor)
+            self.verbose, self.log_rank_zero_only = verbose, log_rank_zero_only
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ported, again = Ported(verbose=True), Ported(verbose=False)
+        stopping = PortedStopping("val/loss", verbose=True, log_rank_zero_only=True)
+    assert ported.said() and not again.said() and stopping.verbose and stopping.log_rank_zero_only
+    messages = [str(w.message) for w in said]
+    assert len(messages) == 3 and messages[0].startswith("Ported.verbose = True is kept but changes nothing")
+    assert "declaring it in its class body (verbose: bool = ...)" in messages[0]
+
+    class Dirpath(ModelCheckpoint):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dirpath = "ckpts"
+
+    with pytest.raises(AttributeError, match=r"^Dirpath.dirpath = 'ckpts' is not taken: .* class body \(dirpath: str"):
+        Dirpath()
+
+    class ModelCheckpoint_(ModelCheckpoint):
+        dirpath: str = "declared"
+
+    ModelCheckpoint_.__name__ = "ModelCheckpoint"  # a port's drop-in: class ModelCheckpoint(ampkit's ModelCheckpoint)
+    drop_in = ModelCheckpoint_()
+    drop_in.dirpath = "mine"
+    assert drop_in.dirpath == "mine"
 
 
 def test_a_monitor_set_after_construction_ranks_and_stops_the_fit_by_it_and_subclass_attributes_stay_free(tmp_path):
@@ -448,6 +503,19 @@ def test_a_call_by_lightning_s_positional_order_is_refused_saying_so(build, give
     with pytest.raises(ValueError) as refused:
         build()
     assert given in str(refused.value) and order in str(refused.value) and "by keyword" in str(refused.value)
+
+
+def test_a_port_s_drop_in_subclass_named_as_ours_hears_our_positional_order_not_its_own():
+    """A port's ``class ModelCheckpoint(ampkit's)`` with Lightning's ``__init__(dirpath, ...)`` passing on by position
+    was told ampkit's order is its own ``(dirpath)``: the class was looked up by name, finding the subclass."""
+
+    class Drop(ModelCheckpoint):
+        def __init__(self, dirpath: str = "ckpts/") -> None:
+            super().__init__(dirpath)
+
+    Drop.__name__ = "ModelCheckpoint"  # class ModelCheckpoint(ampkit.callbacks.ModelCheckpoint)
+    with pytest.raises(ValueError, match=r"as ModelCheckpoint's own order is \(every_n_steps, every_n_epochs, keep_l"):
+        Drop()
 
 
 @pytest.mark.parametrize("name", ["every_n_steps", "every_n_epochs"])

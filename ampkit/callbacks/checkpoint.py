@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import glob
 import numbers
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -40,7 +42,7 @@ from ampkit.trainer.checkpoint_io import (
 from ampkit.trainer.distributed import broadcast_object, decided_by_rank_zero
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import Preempted
-from ampkit.trainer.run_life import loop_of, prune_periodic
+from ampkit.trainer.run_life import half_written, loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
     copy_sharded,
@@ -54,6 +56,7 @@ from ampkit.trainer.sharded_checkpoint import (
     training_order,
     write_failure,
 )
+from ampkit.trainer.temp_names import temp_name_of
 from ampkit.trainer.waiting import barrier
 from ampkit.wording import shown
 
@@ -112,7 +115,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             ("keep_last", keep_last),
         ):
             if isinstance(value, (str, os.PathLike)):  # Lightning's dirpath, filename and monitor come first
-                raise lightning_positional_error(type(self), name, value)
+                raise lightning_positional_error(type(self), name, value, _interval_refusal(name, value))
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
             _interval(name, value, positional=True)  # None: Lightning's default, or its dirpath or filename
         self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs  # each checked as it is set
@@ -352,6 +355,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         if not directory.is_dir():
             return
         if self._restored:
+            self._remove_named_temps(directory)
             self._remove_replaced_last(directory)
         if not self._restored or (self.monitor is None and not self.best_k and not self.kept):
             # No ranking of its own to tidy by: the best files there are another ModelCheckpoint's, or of a ranking
@@ -374,6 +378,15 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             self._recopy_best(directory)
         self._prune(directory)
 
+    def _remove_named_temps(self, directory: Path) -> None:
+        """Remove the temp files a kill left while copying to the ``CHECKPOINT_NAME_LAST`` names the resumed state names
+        (``.<name>.<random>.tmp``, which the fit's tidy, knowing ampkit's own names alone, keeps): only one holding what
+        a killed copy leaves there, never a user's file under such a name."""
+        for name in {self._named_last, self._replacing} - {None}:
+            for path in directory.glob(f".{glob.escape(name)}.*.tmp"):
+                if temp_name_of(path.name, "tmp", re.escape(name)) and not path.is_symlink() and half_written(path):
+                    path.unlink(missing_ok=True)
+
     def _remove_replaced_last(self, directory: Path) -> None:
         """Remove the ``CHECKPOINT_NAME_LAST`` copy the resumed save replaced, where a kill before its removal left it:
         only a file provably that copy (its own state names it as its copy), never a user's under its name."""
@@ -381,7 +394,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         if name is None or name == self._named_last:
             return
         path = directory / name
-        if path.is_symlink() or not path.is_file() or not _names_itself_last(path):
+        if not _own_file(path) or not _names_itself_last(path):
             return
         with _deleting(directory, "the CHECKPOINT_NAME_LAST copy a killed save was replacing"):
             for left in deletable([path], self._protected):  # a write-protected one stays, named in a warning
@@ -587,10 +600,12 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
         previous, named, replacing = self._newest, self._named_last, self._replacing
+        # as Lightning's, first; before anything is recorded: a name set anew since the fit started may be refused
+        named_now = last_file_name(self, trainer.state.epoch, trainer.state.global_step)
         if filename != best:  # a step or epoch file (a best-k one alone is named after its ranking), recorded first:
             self._newest = Path(filename).stem if trainer.sharded else filename  # its own state names it
-        self._named_last = last_file_name(self, trainer.state.epoch, trainer.state.global_step)  # as Lightning's, first
-        self._replacing = named if named != self._named_last else None  # its state names both: a resume finds both
+        self._named_last = named_now
+        self._replacing = named if named != named_now else None  # its state names both: a resume finds both
         try:
             return self._write_everywhere(trainer, filename, best, named)
         except BaseException:  # a failed save (a full disk): best_model_path names the file before it, which is there
@@ -674,7 +689,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         new_best = best is not None and best == next(iter(self.best_k))  # best.pt copies it (else it holds it already)
         names = [filename, *([best] if best not in (None, filename) else []), *(["best.pt"] if new_best else [])]
         named = [] if self._named_last is None else [self._named_last]
-        writing = directory / filename
+        writing, last_moved = directory / filename, False
         try:
             for name in (*names, "last.pt", *named):  # a file of the user's at any stops the save before it writes
                 refuse_foreign(writing := directory / name)
@@ -683,14 +698,23 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             for name in names[1:]:
                 copy_atomic(path, writing := directory / name)
             copy_atomic(path, writing := directory / "last.pt")
+            last_moved = True
             for name in named:
                 copy_atomic(path, writing := directory / name)
-            if replaced_last not in (None, *named) and not foreign_file(writing := directory / replaced_last):
-                (directory / replaced_last).unlink(missing_ok=True)  # Lightning's save_last removes the previous too
+            if replaced_last not in (None, *named) and _own_file(writing := directory / replaced_last):
+                writing.unlink(missing_ok=True)  # Lightning's save_last removes the previous too
         except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
             reason = exc.strerror or str(exc)
             if directory.exists() and not directory.is_dir():  # mkdir's bare "File exists" named no culprit
                 reason = f"'{directory}' is a file now, not the checkpoints folder; ampkit leaves it as it is"
+            if last_moved:  # this save is whole, last.pt too: only the named copy (or the removal of the one before)
+                raise from_storage(
+                    CheckpointError(
+                        f"could not write or replace the CHECKPOINT_NAME_LAST copy '{writing}' ({reason}); last.pt "
+                        f"holds this save's checkpoint ('{path}'), and --resume last continues from it"
+                    ),
+                    exc,
+                ) from None
             raise _save_failed(writing, reason, directory / "last.pt", path, exc, trainer.rank_zero_last) from None
         self._prune(directory)
         return path
@@ -759,6 +783,16 @@ def _interval(name: str, value: Any, positional: bool = False) -> int:
     return interval_option(value, f"ModelCheckpoint: {name}", zero_means="never")
 
 
+def _interval_refusal(name: str, value: Any) -> str | None:
+    """The error ``value`` gets as ``every_n_steps``, ``every_n_epochs`` or ``keep_last`` (``name``), or None where
+    it is a valid one."""
+    try:
+        interval_option(value, f"ModelCheckpoint: {name}", zero_means=None if name == "keep_last" else "never")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _top_k(save_top_k: Any) -> int:
     """``save_top_k`` as an int >= 1 or -1, else a ValueError naming it (and Lightning's 0)."""
     if (
@@ -782,6 +816,12 @@ def _watching(monitor: Monitor | None, save_top_k: int) -> Monitor | None:
             "without a monitor keeps every one)"
         )
     return monitor
+
+
+def _own_file(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint file ampkit may remove: a file, not a link (the user's, even to a checkpoint)
+    nor a folder, holding an ampkit checkpoint."""
+    return not path.is_symlink() and path.is_file() and not foreign_file(path)
 
 
 def _names_itself_last(path: Path) -> bool:

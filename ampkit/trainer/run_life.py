@@ -867,7 +867,7 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
     for path in sorted(checkpoints.iterdir()):
         name, link = path.name, path.is_symlink()
         temp, link_temp = temp_name_of(name, "tmp", _CHECKPOINT), link and temp_name_of(name, "tmp", "last|best")
-        if _TEMP_FILE.match(name) and not link and _half_written(path) or link_temp and is_our_link(path):
+        if _TEMP_FILE.match(name) and not link and half_written(path) or link_temp and is_our_link(path):
             path.unlink(missing_ok=True)  # a link only as point_last_at makes one: ``.last.tmp``, to a checkpoint
         elif temp and path.is_dir() and not link:
             # a file the user put in it stays, back under its name
@@ -886,7 +886,7 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
     return removed
 
 
-def _half_written(path: Path) -> bool:
+def half_written(path: Path) -> bool:
     """Whether file ``path`` under a checkpoint's temp name holds what a killed ``torch.save`` (or a copy of its file)
     leaves: nothing yet, or the start of torch's zip archive. A file of the user's that happens to have such a name
     (their notes, a YAML) is no checkpoint's beginning, and stays."""

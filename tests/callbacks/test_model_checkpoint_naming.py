@@ -4,12 +4,16 @@ refused where changed, naming why, instead of being silently ignored."""
 
 from __future__ import annotations
 
+import errno
 import re
+from pathlib import Path
 
 import pytest
 from toy_trainers import ToyTrainer, toy_cfg
 
+from ampkit import Callback
 from ampkit.callbacks import ModelCheckpoint
+from ampkit.callbacks import checkpoint as checkpoint_module
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 
 # 48 samples in batches of 8: 6 iterations an epoch
@@ -119,3 +123,79 @@ def test_a_resume_removes_the_last_copy_a_killed_save_was_replacing_and_never_a_
     _fit(tmp_path, again, epochs=4, resume="last")
     named = ["epoch=3-last.pt", "last.pt"] if removed else ["epoch=1-last.pt", "epoch=3-last.pt", "last.pt"]
     assert sorted(p.name for p in directory.glob("*last*")) == named
+
+
+def test_a_last_name_made_invalid_mid_run_refuses_the_save_and_best_model_path_still_names_a_written_file(tmp_path):
+    """The last name is formatted as a save starts, so one set anew mid-run (checked at the fit's start only) is refused
+    there: the refusal left best_model_path (and the state a later save writes) naming the file never written."""
+    callback = ModelCheckpoint()
+
+    class Renames(Callback):
+        def on_train_epoch_start(self, trainer) -> None:
+            if trainer.state.epoch == 1:
+                callback.CHECKPOINT_NAME_LAST = "{loss}-last"
+
+    run = ToyTrainer(toy_cfg(tmp_path, **SETTINGS, **{"trainer.max_epochs": 3}), callbacks=[callback, Renames()])
+    with pytest.raises(ValueError, match=r"CHECKPOINT_NAME_LAST = '\{loss\}-last' is invalid: its field \{loss\}"):
+        run.fit()
+    assert Path(callback.best_model_path).name == "epoch-0001.pt" and Path(callback.best_model_path).is_file()
+    assert callback.state_dict()["newest"] == "epoch-0001.pt"
+
+
+@pytest.mark.parametrize("kind", ["folder", "dangling link"])
+def test_a_user_s_folder_or_link_at_the_previous_last_name_stays_and_the_save_goes_on(tmp_path, kind):
+    """The next save removes the previous copy only where it is ampkit's file: a folder of the user's there made the
+    removal fail after last.pt was written, stopping the run as a failed save, and a link of theirs was deleted."""
+    callback = ModelCheckpoint()
+    callback.CHECKPOINT_NAME_LAST = "{epoch}-last"
+
+    class Replaces(Callback):
+        def on_train_epoch_start(self, trainer) -> None:
+            if trainer.state.epoch == 1:  # the user's thing where epoch 0's copy was
+                mine = trainer.version_dir / "checkpoints" / "epoch=0-last.pt"
+                mine.unlink()
+                mine.mkdir() if kind == "folder" else mine.symlink_to("elsewhere")
+
+    run = ToyTrainer(toy_cfg(tmp_path, **SETTINGS, **{"trainer.max_epochs": 2}), callbacks=[callback, Replaces()])
+    run.fit()
+    mine = run.version_dir / "checkpoints" / "epoch=0-last.pt"
+    assert (mine.is_dir() if kind == "folder" else mine.is_symlink()) and run.state.epoch == 2
+    assert (run.version_dir / "checkpoints" / "epoch=1-last.pt").is_file()
+
+
+def test_a_resume_removes_the_temp_file_a_killed_copy_to_the_last_name_left_and_keeps_a_user_s(tmp_path):
+    """The copy to the CHECKPOINT_NAME_LAST name goes through ``.<name>.<random>.tmp``, which the fit's tidy (knowing
+    only ampkit's own names) kept for good after a kill: a checkpoint's size each time. The resume that names the copy
+    removes what a killed copy leaves there (the start of torch's archive); a file of the user's there stays."""
+    callback = ModelCheckpoint()
+    callback.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    directory = _fit(tmp_path, callback, epochs=2).version_dir / "checkpoints"
+    killed, notes = directory / ".epoch=1-last.pt.k1ll3d_x.tmp", directory / ".epoch=1-last.pt.mynotes1.tmp"
+    killed.write_bytes((directory / "last.pt").read_bytes()[:100])
+    notes.write_text("my notes")
+    again = ModelCheckpoint()
+    again.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    _fit(tmp_path, again, epochs=3, resume="last")
+    assert not killed.exists() and notes.read_text() == "my notes"
+
+
+def test_a_full_disk_at_the_last_name_s_copy_says_last_pt_holds_this_save(tmp_path, monkeypatch):
+    """The named copy is written after last.pt: its failure (a full disk) was told as 'last.pt still holds the previous
+    checkpoint', while last.pt held this save's, and a resume by that word would have gone back a save."""
+    real_copy = checkpoint_module.copy_atomic
+
+    def full_at_the_named_copy(source, alias):
+        if alias.name == "epoch=0-last.pt":
+            raise OSError(errno.ENOSPC, "No space left on device", str(alias))
+        real_copy(source, alias)
+
+    monkeypatch.setattr(checkpoint_module, "copy_atomic", full_at_the_named_copy)
+    callback = ModelCheckpoint()
+    callback.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    with pytest.raises(CheckpointError) as failed:
+        _fit(tmp_path, callback, epochs=1)
+    said = str(failed.value)
+    assert "'epoch=0-last.pt'" not in said and "epoch=0-last.pt' (No space left on device)" in said
+    assert "last.pt holds this save's checkpoint" in said and "previous" not in said
+    written = tmp_path / "run" / "version_0" / "checkpoints"
+    assert load_checkpoint(written / "last.pt")["loop"] == load_checkpoint(written / "epoch-0001.pt")["loop"]
