@@ -1,12 +1,13 @@
 """Lightning's ModelCheckpoint and EarlyStopping attributes a port sets after construction (``ckpt.dirpath = ...``,
 ``es.verbose = True``) that ampkit's classes have no setting for: refused naming what does their work here, as the
-constructor refuses the argument, instead of becoming an attribute nothing reads."""
+constructor refuses the argument, instead of becoming an attribute nothing reads. One the class computes
+(``ckpt.best_model_path = ...``, ``es.wait_count = 0``) is refused saying so, not with "property has no setter"."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ampkit.lightning_settings import LIGHTNING_CALLBACK_ARGUMENTS
+from ampkit.lightning_settings import LIGHTNING_CALLBACK_ARGUMENTS, LIGHTNING_COMPUTED_ATTRIBUTES
 from ampkit.wording import shown
 
 
@@ -25,6 +26,8 @@ def _refusal(cls: type, name: str) -> str | None:
     for klass in cls.__mro__:
         refused = LIGHTNING_CALLBACK_ARGUMENTS.get(klass.__name__)
         if refused is not None:  # the ampkit class the subclass extends
+            if name in (computed := LIGHTNING_COMPUTED_ATTRIBUTES[klass.__name__]):
+                return f"{klass.__name__} computes it, {computed[name]}"
             return _said(klass.__name__, name, refused[name]) if name in refused else None
         if name in vars(klass) or name in vars(klass).get("__annotations__", {}):
             return None
