@@ -446,6 +446,29 @@ def test_a_monitor_or_mode_set_after_a_ranking_ranks_and_counts_afresh_as_a_resu
     )
 
 
+@pytest.mark.parametrize(
+    ("assigned", "set_aside"), [("val/loss", False), ("val/acc", True), ({"metric": "val/loss", "mode": "max"}, True)]
+)
+def test_a_monitor_set_after_a_ranking_restored_without_one_ranks_afresh_where_it_measures_otherwise(
+    assigned, set_aside
+):
+    """A ranking restored (or kept) while no monitor was set was never set aside: a monitor assigned then pruned the
+    files ranked by another metric or direction by values that rank nothing under it."""
+    restored = ModelCheckpoint()
+    restored.load_state_dict({"best_k": {"best-00000004.pt": 0.5}, "kept": [], "monitor": "val/loss", "mode": "min"})
+    unset = ModelCheckpoint(monitor="val/loss")
+    unset.best_k = {"best-00000004.pt": 0.5}
+    unset.monitor = None
+    assert unset.state_dict()["monitor"] == "val/loss"  # what measured the ranking it keeps is saved with it
+    for checkpoint in (restored, unset):
+        if isinstance(assigned, dict):
+            checkpoint.mode, checkpoint.monitor = assigned["mode"], assigned["metric"]
+        else:
+            checkpoint.monitor = assigned
+        expected = ({}, ["best-00000004.pt"]) if set_aside else ({"best-00000004.pt": 0.5}, [])
+        assert (checkpoint.best_k, checkpoint.kept) == expected
+
+
 def test_a_callback_s_monitor_compares_equal_to_its_metric_name_as_lightning_s_string_does():
     """Lightning's ``ckpt.monitor`` is the metric's name; here a Monitor, so a port's ``cb.monitor == "val/loss"`` was
     False without a word. Two monitors of one name are still told apart (each callback's own)."""

@@ -207,12 +207,14 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         self._every_n_epochs = _interval("every_n_epochs", every_n_epochs)
 
     def _set_monitor(self, monitor: Monitor | None) -> None:
-        """Rank by ``monitor`` from now on; the files ranked by another metric or mode are kept, no longer ranked."""
-        before = self._monitor
-        if before is not None and monitor is not None and self.best_k:
-            if monitor.changed_since(before.state_dict()) is not None:
-                self.kept += list(self.best_k)
-                self.best_k, self._current = {}, None
+        """Rank by ``monitor`` from now on; the files ranked by another metric or mode (the monitor set before, or,
+        while none was, the one a restored ranking was measured by) are kept, no longer ranked."""
+        ranked_by = self._monitor.state_dict() if self._monitor is not None else self._ranked_by
+        if monitor is None:  # the ranking stays: what measured it is saved with it and checked by the next monitor
+            self._ranked_by = ranked_by
+        elif self.best_k and monitor.changed_since(ranked_by) is not None:
+            self.kept += list(self.best_k)
+            self.best_k, self._current = {}, None
         self._monitor = monitor
 
     @property
