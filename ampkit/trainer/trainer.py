@@ -1185,7 +1185,7 @@ class Trainer:
             return
         kinds = ("per-step values", "epoch means")
         problem = (
-            f"log() in {fx} writes {kinds[epoch]} under '{name}', which gets {kinds[first_epoch]} logged in "
+            f"log() in {fx} writes {kinds[epoch]} under {shown(name)}, which gets {kinds[first_epoch]} logged in "
             f"{first_fx}: one curve of both is neither; log one of them under a tag of its own (on_step and "
             "on_epoch together write <tag>_step and <tag>_epoch)"
         )
