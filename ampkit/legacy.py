@@ -22,6 +22,7 @@ import ampkit
 from ampkit.compat import _child_shim
 from ampkit.compat.parallel.distributed import leave_the_group_at_exit
 from ampkit.compat.shim import install_apex_shim, served_module_name
+from ampkit.wording import shown
 
 _USAGE = "usage: python -m ampkit.legacy [--force-shim] [--] (SCRIPT | -m MODULE) [ARGS...]"
 # What torch.distributed.launch (without --use-env) puts before the program's arguments: here, before the script.
@@ -59,8 +60,8 @@ def _missing_module(name: str) -> str | None:
             if _module_exists(served_module_name(name)):
                 return None
         except ModuleNotFoundError as unserved:
-            return f"ampkit.legacy: module not found: {name!r}: {unserved}"
-    return f"ampkit.legacy: module not found: {name!r} (not importable from {sys.path[0] or '.'!r})"
+            return f"ampkit.legacy: module not found: {shown(name)}: {unserved}"
+    return f"ampkit.legacy: module not found: {shown(name)} (not importable from {shown(sys.path[0] or '.')})"
 
 
 def _unrunnable_script(path: str) -> str | None:
@@ -68,13 +69,14 @@ def _unrunnable_script(path: str) -> str | None:
     if os.path.isfile(path) or os.path.isfile(os.path.join(path, "__main__.py")):
         return None
     if os.path.isdir(path):
-        return f"{path!r} is a directory without a __main__.py; name the script in it"
+        return f"{shown(path)} is a directory without a __main__.py; name the script in it"
     if path.startswith("-"):  # an option of the script's, given before it (or a typo of --force-shim)
+        option = path if len(path) <= 40 else "OPTION"  # as typed, to copy; a pasted 10 kB one by its name
         return (
-            f"unknown option {path!r}; the runner's own are --force-shim and -m MODULE, and the script's arguments "
-            f"go after it: python -m ampkit.legacy SCRIPT {path} ..."
+            f"unknown option {shown(path)}; the runner's own are --force-shim and -m MODULE, and the script's "
+            f"arguments go after it: python -m ampkit.legacy SCRIPT {option} ..."
         )
-    return f"script not found: {path!r}"
+    return f"script not found: {shown(path)}"
 
 
 def _program_source(args: list[str]) -> str:
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             module = served_module_name(module)
         elif not _module_exists(module):  # an installed apex without it (NVIDIA's of 2025 has no multiproc)
             raise SystemExit(
-                f"ampkit.legacy: the installed apex has no module {module!r}; --force-shim serves ampkit's"
+                f"ampkit.legacy: the installed apex has no module {shown(module)}; --force-shim serves ampkit's"
             )
         _run_as_python_would(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
         return

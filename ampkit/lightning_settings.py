@@ -121,6 +121,27 @@ LIGHTNING_CALLBACK_ARGUMENTS: dict[str, dict[str, str]] = {
     },
 }
 
+# Lightning's ModelCheckpoint and EarlyStopping attributes that ampkit's classes compute (read-only properties) -> how,
+# and what to set instead where anything does their work; read as "<class> computes it, <value>". A port assigning one
+# (Lightning's are plain attributes) hears that, not Python's "property has no setter".
+LIGHTNING_COMPUTED_ATTRIBUTES: dict[str, dict[str, str]] = {
+    "ModelCheckpoint": {
+        "best_model_path": (
+            "from the checkpoints it ranked (a resume restores it); to evaluate another file, give its path to "
+            "trainer.validate(ckpt=...) or trainer.test(ckpt=...)"
+        ),
+        "best_model_score": "as best_model_path's monitored value",
+        "best_k_models": "from the checkpoints it ranked (a resume restores it); save_top_k sets how many it keeps",
+        "kth_best_model_path": "as the ranked checkpoint a better value replaces next",
+        "kth_value": "as kth_best_model_path's monitored value, the one to beat",
+        "current_score": "as the monitored value of the checkpoint that entered the top k last",
+        "last_model_path": "as the newest checkpoint's copy once the run saved (CHECKPOINT_NAME_LAST names the file)",
+    },
+    "EarlyStopping": {
+        "wait_count": "from wait (the checks in a row without an improvement): set wait instead (0: count afresh)",
+        "best_score": "from best (the best value so far): set best instead (None: the next check sets it)",
+    },
+}
 
 # Lightning's order of each class's first arguments: a positional call written for it binds them to ampkit's others.
 LIGHTNING_POSITIONAL_ORDER: dict[str, str] = {

@@ -377,6 +377,30 @@ def test_every_lightning_attribute_set_after_construction_takes_effect_or_is_ref
     assert getattr(callback, "keep_last", None) == getattr(constructed, "keep_last", None)
 
 
+@pytest.mark.parametrize("subclassed", [False, True])
+@pytest.mark.parametrize(
+    ("cls", "name", "instead"),
+    [(ModelCheckpoint, name, "ModelCheckpoint computes it") for name in
+     ("best_k_models", "best_model_score", "current_score", "kth_best_model_path", "kth_value", "last_model_path")]
+    + [(ModelCheckpoint, "best_model_path", r"trainer.test\(ckpt=...\)"),
+       (EarlyStopping, "wait_count", r"set wait instead \(0: count afresh\)"),
+       (EarlyStopping, "best_score", r"set best instead \(None: the next check sets it\)")],
+)  # fmt: skip
+def test_a_lightning_attribute_the_callback_computes_is_refused_saying_so(cls, name, instead, subclassed):
+    """Lightning's are plain attributes a port may assign (``es.wait_count = 0``, ``ckpt.best_model_path = p``); here
+    they are computed, and the assignment got Python's "property ... has no setter", naming neither why nor what to
+    set instead."""
+    built = type(f"My{cls.__name__}", (cls,), {}) if subclassed else cls
+    callback = built(monitor="val/mse")
+    before = getattr(callback, name)
+    with pytest.raises(AttributeError, match=f"^{built.__name__}.{name} = 3 is not taken: .*{instead}"):
+        setattr(callback, name, 3)
+    assert getattr(callback, name) == before
+    own = type("Own", (built,), {"__annotations__": {name: int}, name: 0})(monitor="val/mse")  # a subclass's own
+    setattr(own, name, 3)
+    assert getattr(own, name) == 3
+
+
 @pytest.mark.parametrize(
     ("cls", "name", "value"),
     [(ModelCheckpoint, "monitor", 3), (ModelCheckpoint, "mode", "maximum"), (ModelCheckpoint, "save_top_k", 0),
@@ -475,6 +499,29 @@ def test_a_monitor_or_mode_set_after_a_ranking_ranks_and_counts_afresh_as_a_resu
         None,
         0,
     )
+
+
+@pytest.mark.parametrize(
+    ("assigned", "set_aside"), [("val/loss", False), ("val/acc", True), ({"metric": "val/loss", "mode": "max"}, True)]
+)
+def test_a_monitor_set_after_a_ranking_restored_without_one_ranks_afresh_where_it_measures_otherwise(
+    assigned, set_aside
+):
+    """A ranking restored (or kept) while no monitor was set was never set aside: a monitor assigned then pruned the
+    files ranked by another metric or direction by values that rank nothing under it."""
+    restored = ModelCheckpoint()
+    restored.load_state_dict({"best_k": {"best-00000004.pt": 0.5}, "kept": [], "monitor": "val/loss", "mode": "min"})
+    unset = ModelCheckpoint(monitor="val/loss")
+    unset.best_k = {"best-00000004.pt": 0.5}
+    unset.monitor = None
+    assert unset.state_dict()["monitor"] == "val/loss"  # what measured the ranking it keeps is saved with it
+    for checkpoint in (restored, unset):
+        if isinstance(assigned, dict):
+            checkpoint.mode, checkpoint.monitor = assigned["mode"], assigned["metric"]
+        else:
+            checkpoint.monitor = assigned
+        expected = ({}, ["best-00000004.pt"]) if set_aside else ({"best-00000004.pt": 0.5}, [])
+        assert (checkpoint.best_k, checkpoint.kept) == expected
 
 
 def test_a_callback_s_monitor_compares_equal_to_its_metric_name_as_lightning_s_string_does():

@@ -421,6 +421,19 @@ def test_one_tag_logged_per_step_and_as_an_epoch_mean_in_one_hook_is_refused_nam
         _fit(tmp_path, type("Logs", (LogsOneTagTwoWays,), {"where": "training_step"}))
 
 
+class LogsALongTagTwoWays(ToyTrainer):
+    def training_step(self, batch):
+        self.log("a" * 10_000, 0.5)
+        self.log("a" * 10_000, 0.5, on_step=False, on_epoch=True)
+        return super().training_step(batch)
+
+
+def test_one_long_tag_logged_two_ways_is_named_by_its_start_and_length(tmp_path):
+    with pytest.raises(UserCodeError, match=r"writes epoch means under 'aaa.*\(10002 characters\), which") as caught:
+        _fit(tmp_path, LogsALongTagTwoWays)
+    assert len(str(caught.value)) < 600
+
+
 @pytest.mark.parametrize("where", ["on_train_batch_end", "on_train_epoch_end"])
 def test_one_tag_logged_per_step_and_as_an_epoch_mean_in_two_hooks_is_said_once(tmp_path, where):
     """Across hooks Lightning writes both into the one curve without a word; here the run goes on as there, and one

@@ -54,6 +54,23 @@ def test_inside_fit_the_cli_handler_stands_aside(heard):
     assert asked == [True] and heard == [signal.SIGTERM]
 
 
+def test_a_failure_inside_fit_notes_the_held_exit_by_its_start_and_length():
+    """The note repeated a handler's exception whole: a 10 kB message in every traceback of the run."""
+
+    def exits(signum, frame):
+        raise SystemExit("x" * 10_000)
+
+    previous = signal.signal(signal.SIGTERM, exits)
+    try:
+        with pytest.raises(RuntimeError) as failed, sigterm_asks_to_stop(lambda: None):
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise RuntimeError("the step failed")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (note,) = failed.value.__notes__
+    assert "had raised SystemExit('xxx" in note and "characters), held until fit() ended" in note and len(note) < 200
+
+
 def test_the_cli_leaves_an_ignored_sigterm_ignored():
     """A process started with SIGTERM ignored (``trap '' TERM``) was made to stop by the CLI's handler."""
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -25,6 +25,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 from ampkit import Callback, Phase
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.run_life import RunDirectoryError
+from ampkit.trainer.user_code import UserCodeError
 
 TESTS = Path(__file__).resolve().parent
 
@@ -216,6 +217,44 @@ def test_logger_rejects_non_images_and_non_finite_histograms(tmp_path):
         trainer = ToyTrainer(toy_cfg(tmp_path, **{"checkpoint.enabled": False}), callbacks=[Bad(call)])
         with pytest.raises(ValueError, match=message):
             trainer.fit()
+
+
+class _LogsUnder(Callback):
+    def __init__(self, tag):
+        self.tag = tag
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        trainer.logger.log_text(self.tag, "sampled")
+
+
+@pytest.mark.parametrize("tensorboard", [True, False])
+def test_logger_tags_are_checked_as_log_s_are_with_or_without_tensorboard(tmp_path, tensorboard):
+    """log() refuses a tag holding a newline or control character, as monitors do; trainer.logger wrote one to the
+    event file (or dropped it without TensorBoard, or on the ranks but zero), and repeated a 10 kB tag whole."""
+    cfg = toy_cfg(tmp_path, **{"checkpoint.enabled": False, "logging.tensorboard": tensorboard})
+    with pytest.raises(UserCodeError, match=re.escape(r"log_text(tag='samples\n'): the tag is invalid; expected pr")):
+        ToyTrainer(cfg, callbacks=[_LogsUnder("samples\n")]).fit()
+    with pytest.raises(UserCodeError, match=r"log_text\(tag=7\): the tag is int; expected a string"):
+        ToyTrainer(cfg, callbacks=[_LogsUnder(7)]).fit()
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [(lambda log, tag: log.log_image(tag, torch.zeros(5, 4, 4)), "is not an image"),
+     (lambda log, tag: log.log_histogram(tag, torch.tensor([math.inf])), "hold inf/nan"),
+     (lambda log, tag: log.log_text(tag + "\x1b", "x"), "the tag is invalid")],
+)  # fmt: skip
+def test_logger_messages_name_a_long_tag_by_its_start_and_length(tmp_path, call, expected):
+    tag = "samples/" + "a" * 10_000
+    cfg = toy_cfg(tmp_path, **{"checkpoint.enabled": False, "trainer.max_steps": 1})
+
+    class Calls(Callback):
+        def on_train_batch_end(self, trainer, outputs, batch):
+            call(trainer.logger, tag)
+
+    with pytest.raises(ValueError, match=expected) as caught:
+        ToyTrainer(cfg, callbacks=[Calls()]).fit()
+    assert "characters)" in str(caught.value) and len(str(caught.value)) < 400
 
 
 class _LogsLoss(ToyTrainer):

@@ -372,6 +372,28 @@ def test_a_train_tag_logged_per_step_only_is_refused_after_the_first_iteration_n
     assert counted.batches == 1
 
 
+LONG_TAG = "train/" + "a" * 10_000
+
+
+class LongStepOnlyTag(EpochScores):
+    def training_step(self, batch):
+        self.log(LONG_TAG, 0.5)
+        return ToyTrainer.training_step(self, batch)
+
+
+def test_the_monitor_messages_of_the_first_iteration_name_a_long_tag_by_its_start_and_length(tmp_path):
+    """They repeated a pasted 10 kB tag whole, up to four times in one message."""
+    with pytest.raises(MonitorNotFoundError, match=r"\(10008 characters\) is monitored, but log") as caught:
+        _fit(tmp_path, [0.5], trainer=LongStepOnlyTag, **{"checkpoint.monitor": LONG_TAG})
+    assert len(str(caught.value)) < 600
+    cfg = toy_cfg(tmp_path / "unheard", **{**QUIET, "trainer.max_epochs": 1, "checkpoint.monitor": LONG_TAG})
+    with warnings.catch_warnings(record=True) as caught_warnings, pytest.raises(MonitorNotFoundError):
+        warnings.simplefilter("always")
+        type("Scripted", (EpochScores,), {"scores": [0.5]})(cfg).fit()
+    (unheard,) = [str(w.message) for w in caught_warnings if "the first iteration gave it no value" in str(w.message)]
+    assert "(10008 characters) is monitored" in unheard and len(unheard) < 700
+
+
 class EpochLevelScores(EpochScores):
     """Every batch of epoch e logs scores[e]: an epoch's mean, whole or cut short, is scores[e]."""
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ampkit.wording import shown
+
 __all__ = ["MasterWeights"]
 
 
@@ -42,7 +44,7 @@ class MasterWeights:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(frozen_masters, bool):
-            raise TypeError(f"frozen_masters must be True or False, got {frozen_masters!r}")
+            raise TypeError(f"frozen_masters must be True or False, got {shown(frozen_masters)}")
         self.optimizer = optimizer
         self.frozen_masters = frozen_masters
         self._awaiting: dict[int, torch.Tensor] = {}  # id -> low-precision param left without a master while frozen

@@ -12,13 +12,14 @@ raises ``RuntimeError`` naming the option, a value of the wrong kind raises ``Va
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from ampkit.ops._switches import is_switch
-from ampkit.wording import integer_digits, shown
+from ampkit.wording import beyond_float, integer_digits, shown
 
 __all__ = ["OPT_LEVELS", "OptLevelProperties", "parse_dtype", "parse_loss_scale", "resolve_opt_level"]
 
@@ -77,14 +78,23 @@ class OptLevelProperties:
         return {name: getattr(self, name) for name in (*names, "master_weights", "loss_scale")}
 
 
+def _dtype_key(value: Any) -> str | None:
+    """The name ``value`` gives a dtype under, as the config reads it: a string, or an integer (the config's ``16``,
+    as Lightning writes precision, is the text ``"16"`` there; a bool or float is not)."""
+    if isinstance(value, str):
+        return value.lower().removeprefix("torch.")
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and not beyond_float(value):
+        return str(int(value))
+    return None
+
+
 def parse_dtype(value: Any, option: str = "dtype") -> torch.dtype:
-    """Map ``float16``/``fp16``/``half``/``bfloat16``/``bf16`` (or the torch dtypes) to a torch dtype."""
+    """Map ``float16``/``fp16``/``half``/``16``/``bfloat16``/``bf16`` (or the torch dtypes) to a torch dtype, as the
+    config's ``precision.dtype`` does (its ``16``, a YAML integer, is float16 in the Python API too)."""
     if value in (torch.float16, torch.bfloat16):
         return value
-    if isinstance(value, str):
-        key = value.lower().removeprefix("torch.")
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
+    if (key := _dtype_key(value)) in _DTYPE_NAMES:
+        return _DTYPE_NAMES[key]
     meant = dtype_meant(value)
     raise ValueError(
         f"{option}={shown(value)} is not a low-precision dtype; use float16 or bfloat16"
@@ -153,8 +163,8 @@ def _parse_cast_model_type(value: Any) -> torch.dtype | None | Literal[False]:
         return value
     if isinstance(value, torch.dtype) and value in _CAST_DTYPE_NAMES.values():
         return value
-    if isinstance(value, str) and value.lower().removeprefix("torch.") in _CAST_DTYPE_NAMES:
-        return _CAST_DTYPE_NAMES[value.lower().removeprefix("torch.")]
+    if (key := _dtype_key(value)) in _CAST_DTYPE_NAMES:
+        return _CAST_DTYPE_NAMES[key]
     raise ValueError(
         f"cast_model_type={shown(value)}: expected None, False, torch.float32, torch.float16 or torch.bfloat16"
     )

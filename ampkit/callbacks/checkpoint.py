@@ -142,6 +142,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         self._inherited: list[str] = []  # a branch's ranked files, in the run it branched from: copied at its save
         self._inherit_from: Path | None = None  # that run's checkpoints directory
         self._branched_newest = ""  # a branch's best_model_path without a monitor until it saves: its origin's file
+        self._branched_last = ""  # a branch's last_model_path until it saves: the checkpoint it resumed
         self._named_last: str | None = None  # the CHECKPOINT_NAME_LAST file it wrote last (None: last.pt alone)
         self._replacing: str | None = None  # the one before it, which that save removed (a kill may have left it)
 
@@ -210,12 +211,14 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         self._every_n_epochs = _interval("every_n_epochs", every_n_epochs)
 
     def _set_monitor(self, monitor: Monitor | None) -> None:
-        """Rank by ``monitor`` from now on; the files ranked by another metric or mode are kept, no longer ranked."""
-        before = self._monitor
-        if before is not None and monitor is not None and self.best_k:
-            if monitor.changed_since(before.state_dict()) is not None:
-                self.kept += list(self.best_k)
-                self.best_k, self._current = {}, None
+        """Rank by ``monitor`` from now on; the files ranked by another metric or mode (the monitor set before, or,
+        while none was, the one a restored ranking was measured by) are kept, no longer ranked."""
+        ranked_by = self._monitor.state_dict() if self._monitor is not None else self._ranked_by
+        if monitor is None:  # the ranking stays: what measured it is saved with it and checked by the next monitor
+            self._ranked_by = ranked_by
+        elif self.best_k and monitor.changed_since(ranked_by) is not None:
+            self.kept += list(self.best_k)
+            self.best_k, self._current = {}, None
         self._monitor = monitor
 
     @property
@@ -279,10 +282,15 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
     @property
     def last_model_path(self) -> str:
         """Lightning's ``last_model_path`` (ampkit always keeps one, as Lightning's ``save_last=True``): the path of
-        ``last.pt`` (a sharded run's ``last``) once the run saved a checkpoint, ``""`` before."""
-        saved = next((name for cb in self._peers for name in (cb._newest, *cb.best_k, *cb.kept) if name), None)
-        if saved is None or self._directory is None:
+        ``last.pt`` (a sharded run's ``last``) once the run saved a checkpoint, ``""`` before; a branch, before its
+        first save, the checkpoint it resumed (in the run it branched from), as Lightning's restored path names one."""
+        if self._directory is None:
             return ""
+        # a branch's inherited best files are in the run it branched from: its own last is not written yet
+        own = (name for cb in self._peers for name in (cb._newest, *cb.best_k, *cb.kept) if name not in cb._inherited)
+        saved = next((name for name in own if name), None)
+        if saved is None:
+            return self._branched_last
         if self._named_last is not None:  # Lightning's: the file its CHECKPOINT_NAME_LAST names
             return str(self._directory / self._named_last)
         return str(self._directory / ("last.pt" if saved.endswith(".pt") else LAST))
@@ -331,7 +339,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
         self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
-        self._inherited, self._inherit_from, self._branched_newest = [], None, ""
+        self._inherited, self._inherit_from, self._branched_newest, self._branched_last = [], None, "", ""
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files are in the old one
             # The branch ranks on from the restored ranking (ties too), so it keeps what the run it branched from
             # would have; its first save copies the ranked files in (on every rank alike: all save shards).
@@ -342,6 +350,7 @@ class ModelCheckpoint(KeyedByMonitor, RefusesLightningAttributes):
             self._branched_newest = str(
                 named if named is not None and named.exists() else trainer.fit_start.branched_from
             )
+            self._branched_last = str(trainer.fit_start.branched_from)
             self.kept, self._newest, self._protected_before = [], None, []
             self._named_last = self._replacing = None  # that run's named files are in its directory: not this one's
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops

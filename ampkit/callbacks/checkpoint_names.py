@@ -61,14 +61,14 @@ def check_naming(callback: Any, sharded: bool) -> None:
     fields = _fields(callback, last)
     if equals != LIGHTNING_NAMING["CHECKPOINT_EQUALS_CHAR"] and not fields:
         raise ValueError(
-            f"{type(callback).__name__}.CHECKPOINT_EQUALS_CHAR = {equals!r} would change no file's name: here it goes "
-            f"only into the fields of CHECKPOINT_NAME_LAST ({last!r} has none; '{{epoch}}-last' would), as ampkit's "
-            "own files are named by step"
+            f"{type(callback).__name__}.CHECKPOINT_EQUALS_CHAR = {shown(equals)} would change no file's name: here it "
+            f"goes only into the fields of CHECKPOINT_NAME_LAST ({shown(last)} has none; '{{epoch}}-last' would), as "
+            "ampkit's own files are named by step"
         )
     if last != LIGHTNING_NAMING["CHECKPOINT_NAME_LAST"] and sharded:
         raise ValueError(
-            f"{type(callback).__name__}.CHECKPOINT_NAME_LAST = {last!r} is not taken under FSDP, where 'last' is the "
-            "link to the newest sharded checkpoint: leave it 'last' (--resume last finds it)"
+            f"{type(callback).__name__}.CHECKPOINT_NAME_LAST = {shown(last)} is not taken under FSDP, where 'last' is "
+            "the link to the newest sharded checkpoint: leave it 'last' (--resume last finds it)"
         )
     last_file_name(callback, epoch=0, step=0)  # a name that clashes with ampkit's own (or a bad field) is refused now
 
@@ -87,13 +87,13 @@ def last_file_name(callback: Any, epoch: int, step: int) -> str | None:
         if field is not None:
             try:
                 parts.append(f"{field}{equals}{format(values[field], spec)}")
-            except ValueError as exc:
-                raise _bad_last(callback, f"its format spec {spec!r} does not format an integer ({exc})") from None
+            except ValueError:  # Python's message repeats the spec whole, and adds only that the value is an int
+                raise _bad_last(callback, f"its format spec {shown(spec)} does not format an integer") from None
     name = "".join(parts) + LIGHTNING_NAMING["FILE_EXTENSION"]
     if "/" in name or "\\" in name or name.startswith("."):
-        raise _bad_last(callback, f"it makes {name!r}, which is no plain file name in the checkpoints directory")
+        raise _bad_last(callback, f"it makes {shown(name)}, which is no plain file name in the checkpoints directory")
     if is_own_name(name):
-        raise _bad_last(callback, f"it makes {name!r}, the name of one of ampkit's own checkpoint files")
+        raise _bad_last(callback, f"it makes {shown(name)}, the name of one of ampkit's own checkpoint files")
     return name
 
 
@@ -124,7 +124,7 @@ def _fields(callback: Any, last: str) -> list[str]:
 def _bad_last(callback: Any, why: str) -> ValueError:
     """The refusal of ``callback``'s ``CHECKPOINT_NAME_LAST``, for ``why``."""
     return ValueError(
-        f"{type(callback).__name__}.CHECKPOINT_NAME_LAST = {callback.CHECKPOINT_NAME_LAST!r} is invalid: {why}; "
+        f"{type(callback).__name__}.CHECKPOINT_NAME_LAST = {shown(callback.CHECKPOINT_NAME_LAST)} is invalid: {why}; "
         "expected a name such as 'last', 'latest' or '{epoch}-last' (Lightning's format: epoch=3-last.pt), whose "
         "fields are {epoch} and {step}"
     )

@@ -1,8 +1,9 @@
 """Lightning's ModelCheckpoint and EarlyStopping attributes a port sets after construction (``ckpt.dirpath = ...``,
 ``es.verbose = True``) that ampkit's classes have no setting for: refused naming what does their work here, as the
-constructor refuses the argument, instead of becoming an attribute nothing reads. Those whose only work in Lightning
-is what the callback says (``verbose``), which ampkit says anyway, are kept with one warning: a ported subclass's
-``self.verbose = verbose`` (read by its own code) still constructs."""
+constructor refuses the argument, instead of becoming an attribute nothing reads. One the class computes
+(``ckpt.best_model_path = ...``, ``es.wait_count = 0``) is refused saying so, not with "property has no setter".
+Those whose only work in Lightning is what the callback says (``verbose``), which ampkit says anyway, are kept with one
+warning: a ported subclass's ``self.verbose = verbose`` (read by its own code) still constructs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-from ampkit.lightning_settings import LIGHTNING_CALLBACK_ARGUMENTS, ampkit_class_named
+from ampkit.lightning_settings import LIGHTNING_CALLBACK_ARGUMENTS, LIGHTNING_COMPUTED_ATTRIBUTES, ampkit_class_named
 from ampkit.wording import shown
 
 # Lightning's attributes that change only what a callback prints, which ampkit prints regardless: nothing of a run
@@ -48,12 +49,17 @@ def _refusal(cls: type, name: str) -> tuple[type, str] | None:
     """The ampkit class and why ``cls`` refuses Lightning's attribute ``name``; None for any other, or one a subclass
     declares (in its class body, before the ampkit class in its line)."""
     base = ampkit_class_named(cls, LIGHTNING_CALLBACK_ARGUMENTS)
-    refused = {} if base is None else LIGHTNING_CALLBACK_ARGUMENTS[base.__name__]
-    if name not in refused:
+    if base is None:
+        return None
+    refused = LIGHTNING_CALLBACK_ARGUMENTS[base.__name__]
+    computed = LIGHTNING_COMPUTED_ATTRIBUTES[base.__name__]
+    if name not in refused and name not in computed:
         return None
     for klass in cls.__mro__[: cls.__mro__.index(base)]:
         if name in vars(klass) or name in vars(klass).get("__annotations__", {}):
             return None
+    if name in computed:
+        return base, f"{base.__name__} computes it, {computed[name]}"
     return base, _said(base.__name__, name, refused[name])
 
 

@@ -171,18 +171,21 @@ class TensorBoardWriter(Logger):
         return self._current_step() if step is None else step
 
     def log_image(self, tag: str, image: torch.Tensor, step: int | None = None) -> None:
+        super().log_image(tag, image)  # the tag's check
         dataformats = check_image(tag, image)
         with writing_events(self.log_dir, self._failed):
             self.writer.add_image(tag, image.detach().cpu(), self._step(step), dataformats=dataformats)
 
     def log_histogram(self, tag: str, values: torch.Tensor, step: int | None = None) -> None:
+        super().log_histogram(tag, values)
         values = values.detach().float().cpu()
         if not bool(values.isfinite().all()):
-            raise ValueError(f"log_histogram('{tag}'): the values hold inf/nan; log the finite ones")
+            raise ValueError(f"log_histogram({shown(tag)}): the values hold inf/nan; log the finite ones")
         with writing_events(self.log_dir, self._failed):
             self.writer.add_histogram(tag, values, self._step(step))
 
     def log_text(self, tag: str, text: str, step: int | None = None) -> None:
+        super().log_text(tag, text)
         with writing_events(self.log_dir, self._failed):
             self.writer.add_text(tag, text, self._step(step))
 
@@ -448,10 +451,12 @@ class TensorBoardLogger(Callback):
             return tag
         if tag not in self._renamed:
             self._renamed.add(tag)
+            named = shown(tag)  # a pasted 100 kB tag by its start and length
             rank_zero_warn(
-                f"log('{tag}', on_epoch=True, on_step=False): TensorBoard writes '{tag}' at each log step already "
-                f"(training_step returns '{tag.removeprefix('train/')}'), so its epoch mean goes to '{tag}_epoch' "
-                "instead of mixing into that curve; log it under another tag, or with on_step=True for both"
+                f"log({named}, on_epoch=True, on_step=False): TensorBoard writes {named} at each log step already "
+                f"(training_step returns {shown(tag.removeprefix('train/'))}), so its epoch mean goes to "
+                f"{shown(tag + '_epoch')} instead of mixing into that curve; log it under another tag, or with "
+                "on_step=True for both"
             )
         return f"{tag}_epoch"
 

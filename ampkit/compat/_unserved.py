@@ -5,6 +5,8 @@ attribute of its package (``apex.contrib.layer_norm``), one raises an AttributeE
 
 from __future__ import annotations
 
+from ampkit.wording import shown
+
 # apex.<name> -> (what it was, what to use instead). A name not listed gets the list of what the shim provides.
 UNSERVED: dict[str, tuple[str, str]] = {
     "apex.contrib.layer_norm": ("FastLayerNorm", "apex.normalization.FusedLayerNorm (served) or torch.nn.LayerNorm"),
@@ -82,5 +84,5 @@ def unserved_advice(fullname: str) -> str | None:
         entry = UNSERVED.get(".".join(parts[:length]))
         if entry is not None:
             what, instead = entry
-            return f"ampkit's apex shim does not serve {fullname!r} ({what}); use {instead}"
+            return f"ampkit's apex shim does not serve {shown(fullname)} ({what}); use {instead}"
     return None

@@ -31,6 +31,7 @@ import torch
 from ampkit.amp.scaler import float32_scale, interval_option, positive_option
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
+from ampkit.compat.fp16_utils._options import checked_options
 from ampkit.compat.fp16_utils.loss_scaler import next_dynamic_scale
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.host_values import host_numbers
@@ -302,8 +303,10 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
         # the scale's options first: one refused leaves the optimizer's groups as they were
-        verbose = checked_switch("FP16_Optimizer", "verbose", verbose)  # "False" printed every message
-        self._configure_scale(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        verbose, dynamic, args = checked_options(verbose, dynamic_loss_scale, dynamic_loss_args, self._DYNAMIC_ARGS)
+        if not dynamic and dynamic_loss_args is not None:  # Apex's first refused any args; these ones a dynamic scale's
+            raise ValueError("FP16_Optimizer: dynamic_loss_args needs dynamic_loss_scale=True")
+        self._configure_scale(static_loss_scale, dynamic, args)
         self.optimizer = init_optimizer
         self.fp16_groups: list[list[torch.Tensor]] = []  # the model's params
         self.fp32_groups: list[list[torch.Tensor]] = []  # their fp32 masters, stepped by the optimizer
@@ -315,20 +318,12 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
         self._legacy_step = isinstance(init_optimizer, LegacyFusedAdam)
         self.verbose = verbose
 
-    def _configure_scale(
-        self, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: Mapping[str, Any] | None
-    ) -> None:
-        """The loss scale and, when dynamic, how it moves; each option checked and named (``dynamic_loss_scale``
-        read by truthiness took "False" as on, an ``init_scale`` of 0 divided the gradients by it)."""
-        self.dynamic_loss_scale = checked_switch("FP16_Optimizer", "dynamic_loss_scale", dynamic_loss_scale)
+    def _configure_scale(self, static_loss_scale: float, dynamic: bool, args: dict[str, Any]) -> None:
+        """The loss scale and, when ``dynamic``, how it moves by ``args`` (checked keys); each value checked and named
+        (an ``init_scale`` of 0 divided the gradients by it)."""
+        self.dynamic_loss_scale = dynamic
         self.cur_iter = 0
-        if self.dynamic_loss_scale:
-            args = dict(dynamic_loss_args or {})
-            unknown = sorted(set(args) - set(self._DYNAMIC_ARGS))
-            if unknown:
-                raise ValueError(
-                    f"FP16_Optimizer: dynamic_loss_args has {unknown}; the keys it takes are {list(self._DYNAMIC_ARGS)}"
-                )
+        if dynamic:
             self.cur_scale = args.get("init_scale", 2**16)  # an int, as Apex's (its messages print 65536)
             float32_scale(self.cur_scale, "FP16_Optimizer: dynamic_loss_args init_scale")  # 1e39: every loss inf
             self.scale_factor = positive_option(
@@ -339,8 +334,6 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
             )
             self.last_overflow_iter = -1
         else:
-            if dynamic_loss_args is not None:
-                raise ValueError("FP16_Optimizer: dynamic_loss_args needs dynamic_loss_scale=True")
             if not (isinstance(static_loss_scale, int | float) and 0 < static_loss_scale < math.inf):
                 raise ValueError(f"FP16_Optimizer: static_loss_scale={shown(static_loss_scale)}: expected a number > 0")
             self.cur_scale = float32_scale(static_loss_scale, "FP16_Optimizer: static_loss_scale")

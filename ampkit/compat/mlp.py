@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ampkit.compat._kernel_dtype import in_input_dtype
 from ampkit.ops._switches import checked_switch
 from ampkit.ops._transforms import transforms_active
+from ampkit.wording import shown
 
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
 
@@ -187,7 +188,7 @@ class MLP(nn.Module):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise TypeError(
-                f"apex.mlp.MLP: activation {activation!r} is not one of {', '.join(map(repr, _ACTIVATIONS))}"
+                f"apex.mlp.MLP: activation {shown(activation)} is not one of {', '.join(map(repr, _ACTIVATIONS))}"
             )
         if len(mlp_sizes) < 2 or not all(_is_positive_int(n) for n in mlp_sizes):
             raise ValueError(

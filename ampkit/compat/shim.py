@@ -25,6 +25,7 @@ from typing import Any
 from ampkit.compat import _pkg_resources
 from ampkit.compat._unserved import EMPTY_PACKAGES, unserved_advice
 from ampkit.missing_name import missing_name
+from ampkit.wording import shown
 
 APEX_SUBPACKAGES = {
     "amp": "ampkit.compat.amp",
@@ -92,7 +93,7 @@ def _target_module_name(fullname: str) -> str:
     _, _, rest = fullname.partition(".")
     head, _, tail = rest.partition(".")
     if head not in APEX_SUBPACKAGES:
-        message = _unserved_message(fullname) or f"{_PROVIDED}; {fullname!r} is not one of them"
+        message = _unserved_message(fullname) or f"{_PROVIDED}; {shown(fullname)} is not one of them"
         raise ModuleNotFoundError(message, name=fullname)
     target = APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
     if not _module_exists(target):  # e.g. apex.amp.opt: Apex's internal module layout is not reproduced
@@ -102,7 +103,8 @@ def _target_module_name(fullname: str) -> str:
         package = importlib.import_module(APEX_SUBPACKAGES[head])
         names = getattr(package, "__all__", None) or [n for n in dir(package) if not n.startswith("_")]
         raise ModuleNotFoundError(
-            f"ampkit's apex shim has no module {fullname!r}; apex.{head} provides {', '.join(names)}", name=fullname
+            f"ampkit's apex shim has no module {shown(fullname)}; apex.{head} provides {', '.join(names)}",
+            name=fullname,
         )
     return target
 
@@ -146,7 +148,7 @@ def _make_apex_package() -> types.ModuleType:
             return importlib.import_module(f"apex.{name}")
         unserved = _unserved_message(f"apex.{name}")  # apex.transformer: what to use instead
         message = unserved or (
-            f"module 'apex' (ampkit shim) has no attribute {name!r}; it provides {', '.join(_PUBLIC_SUBPACKAGES)}"
+            f"module 'apex' (ampkit shim) has no attribute {shown(name)}; it provides {', '.join(_PUBLIC_SUBPACKAGES)}"
             " and contrib"
         )
         raise missing_name(message, "apex", name, submodule=unserved is not None)
@@ -169,7 +171,7 @@ def _make_empty_package(name: str) -> types.ModuleType:
         if submodule in _MODULE_ALIASES or submodule in EMPTY_PACKAGES:  # a served subpackage, read as an attribute
             return importlib.import_module(submodule)  # (apex.contrib.optimizers.FP16_Optimizer after `import apex`)
         unserved = _unserved_message(submodule)
-        message = unserved or f"module {name!r} (ampkit shim) has no attribute {attribute!r}; {_PROVIDED}"
+        message = unserved or f"module {shown(name)} (ampkit shim) has no attribute {shown(attribute)}; {_PROVIDED}"
         raise missing_name(message, name, attribute, submodule=unserved is not None)
 
     package.__getattr__ = __getattr__

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ampkit.wording import shown
+
 _Handler = Callable[[int, Any], Any]
 
 
@@ -168,7 +170,9 @@ def sigterm_asks_to_stop(ask: Callable[[], None]) -> Iterator[None]:
         raise handler.raised from stop
     except BaseException as exc:  # a failure before the stop: it stands, and says what it cut short
         if handler.raised is not None:
-            exc.add_note(f"A SIGTERM handler set before fit() had raised {handler.raised!r}, held until fit() ended")
+            exc.add_note(
+                f"A SIGTERM handler set before fit() had raised {shown(handler.raised)}, held until fit() ended"
+            )
         raise
     else:
         if handler.raised is not None:

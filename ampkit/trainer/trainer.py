@@ -256,6 +256,7 @@ from ampkit.trainer.user_code import (
     check_loss,
     check_model_has_parameters,
     check_model_has_values,
+    check_tag,
     empty_batch_error,
     exhausted_loader_error,
     keyword_batch_error,
@@ -944,11 +945,7 @@ class Trainer:
         what does their work; ``batch_size`` weighs the value in its epoch mean, as in Lightning.
         ``None`` for ``on_step``/``on_epoch`` is Lightning's "the hook's default", which these defaults are.
         """
-        if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
-            what = "empty" if isinstance(tag, str) else type(tag).__name__
-            raise UserCodeError(f"log(tag={shown(tag)}): the tag is {what}; expected a string such as 'train/acc'")
-        if not tag.isprintable():  # a monitor naming it is refused (config.names_a_metric): refused here as well
-            raise UserCodeError(f"log(tag={shown(tag)}): the tag is invalid; expected {METRIC_NAME_RULE}")
+        check_tag("log", tag, METRIC_NAME_RULE)  # as a monitor naming it is checked (config.names_a_metric)
         if self.evaluation_step is not None:  # before its options: a port's prog_bar or sync_dist there is not the fix
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
             raise UserCodeError(f"log({shown(tag)}) in {self.evaluation_step}: {instead}")
@@ -1148,23 +1145,23 @@ class Trainer:
         if per_step := [tag for tag in unheard if tag in self._monitors_per_step]:
             # Lightning ranks such a tag by its last batch's value, one batch's noise; the epoch's end would fail
             # here anyway, an epoch of training later.
-            tag = per_step[0]
+            named = shown(per_step[0])  # a pasted 100 kB tag by its start and length
             raise MonitorNotFoundError(
-                f"'{tag}' is monitored, but log('{tag}') gives it per step only (on_epoch=False): a monitored train/ "
-                f"tag is its epoch mean, read at each epoch's end; log it with self.log('{tag}', value, "
+                f"{named} is monitored, but log({named}) gives it per step only (on_epoch=False): a monitored train/ "
+                f"tag is its epoch mean, read at each epoch's end; log it with self.log({named}, value, "
                 "on_epoch=True) (on_step=True too keeps its per-step curve)"
             )
         for tag in unheard:
-            bare = tag.removeprefix("train/")
+            named, bare = shown(tag), tag.removeprefix("train/")
             unprefixed = (
-                f" (self.log('{bare}') logs it without the train/ prefix a monitored tag needs)"
+                f" (self.log({shown(bare)}) logs it without the train/ prefix a monitored tag needs)"
                 if bare in self._epoch_fx
                 else ""
             )
             rank_zero_warn(
-                f"'{tag}' is monitored, but the first iteration gave it no value{unprefixed}: its epoch mean, read at "
-                f"each epoch's end, comes from self.log('{tag}', value, on_epoch=True) in training_step or a value "
-                f"training_step returns under '{bare}'; without one the run stops at this epoch's end"
+                f"{named} is monitored, but the first iteration gave it no value{unprefixed}: its epoch mean, read at "
+                f"each epoch's end, comes from self.log({named}, value, on_epoch=True) in training_step or a value "
+                f"training_step returns under {shown(bare)}; without one the run stops at this epoch's end"
             )
 
     def _check_one_hook_logs(self, tag: str) -> None:
@@ -1173,10 +1170,11 @@ class Trainer:
         fx = self._fx or "code outside the Trainer's hooks"
         first = self._epoch_fx.setdefault(tag, fx)
         if first != fx:
+            named = shown(tag)  # a pasted 100 kB tag by its start and length
             raise UserCodeError(
-                f"log({shown(tag)}, on_epoch=True) in {fx}: '{tag}' has an epoch mean logged in {first} already, and "
-                f"one mean of both hooks' values would be neither's: log it under a tag of its own here (e.g. "
-                f"'{tag}_{fx}')"
+                f"log({named}, on_epoch=True) in {fx}: {named} has an epoch mean logged in {first} already, and one "
+                f"mean of both hooks' values would be neither's: log it under a tag of its own here (e.g. "
+                f"{shown(f'{tag}_{fx}')})"
             )
 
     def _check_one_curve(self, name: str, epoch: bool) -> None:
@@ -1189,7 +1187,7 @@ class Trainer:
             return
         kinds = ("per-step values", "epoch means")
         problem = (
-            f"log() in {fx} writes {kinds[epoch]} under '{name}', which gets {kinds[first_epoch]} logged in "
+            f"log() in {fx} writes {kinds[epoch]} under {shown(name)}, which gets {kinds[first_epoch]} logged in "
             f"{first_fx}: one curve of both is neither; log one of them under a tag of its own (on_step and "
             "on_epoch together write <tag>_step and <tag>_epoch)"
         )

@@ -22,6 +22,20 @@ class UserCodeError(TypeError, ValueError):
     Both a TypeError and a ValueError, as the wrong type or the wrong value it reports."""
 
 
+TAG_RULE = "printable text (no newline, tab or control character), such as 'samples/grid'"
+
+
+def check_tag(call: str, tag: Any, rule: str = TAG_RULE) -> None:
+    """Raise a UserCodeError naming ``call`` and ``tag`` unless the tag is ``rule``: a number or tuple would be written
+    under its str(), and a newline or control character splits the console's line and is in no name a monitor can
+    give (config.names_a_metric refuses it there), so log() and ``trainer.logger`` refuse one as monitors do."""
+    if not isinstance(tag, str) or not tag.strip():
+        what = "empty" if isinstance(tag, str) else type(tag).__name__
+        raise UserCodeError(f"{call}(tag={shown(tag)}): the tag is {what}; expected a string such as 'train/acc'")
+    if not tag.isprintable():
+        raise UserCodeError(f"{call}(tag={shown(tag)}): the tag is invalid; expected {rule}")
+
+
 def check_loss(loss: torch.Tensor, loss_id: Any) -> int | str:
     """A loss ``backward`` can use: a real scalar tensor that requires grad (three reads per backward), and a
     ``loss_id`` that can name its scaler, returned as its key (:func:`loss_id_key`)."""

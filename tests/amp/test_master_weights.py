@@ -161,6 +161,9 @@ def test_load_state_dict_errors():
         masters.load_state_dict({"master_params": [torch.zeros(1)]})
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         MasterWeights([torch.zeros(1)])
+    sgd = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    with pytest.raises(TypeError, match="^frozen_masters must be True or False, got an integer of 5001 digits$"):
+        MasterWeights(sgd, frozen_masters=10**5000)  # its repr() raised inside the message, naming neither
 
 
 def test_a_refused_load_leaves_every_master_as_it_was():

@@ -1,9 +1,11 @@
 """Apex's O0-O3 table and every override rule, with errors naming the option."""
 
+import numpy as np
 import pytest
 import torch
 
 from ampkit.amp.opt_levels import OPT_LEVELS, parse_dtype, parse_loss_scale, resolve_opt_level
+from ampkit.config import Config, build_config
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,28 @@ def test_dtype_conflict_and_bad_dtype_name_the_option():
         resolve_opt_level("O2", dtype="float64")
     with pytest.raises(ValueError, match="dtype=torch.int8"):
         parse_dtype(torch.int8)
+
+
+def _parsed(value) -> str:
+    """The dtype ``value`` parses to, or the words it is refused with."""
+    try:
+        return str(parse_dtype(value))
+    except ValueError as refused:
+        return str(refused)
+
+
+@pytest.mark.parametrize("value", [16, "16", 16.0, True, 32, "fp16", "bf16"])
+def test_the_python_api_takes_a_dtype_as_the_config_does(value):
+    """precision.dtype: 16 (a YAML integer, as Lightning writes precision) is float16 in a config, where the Python
+    API refused parse_dtype(16) and resolve_opt_level(dtype=16): both take what the other takes, in the same words."""
+    configured = build_config(Config, {"trainer_class": "x:Y", "precision": {"dtype": value}}).precision.dtype
+    assert _parsed(value) == _parsed(configured).replace(repr(configured), repr(value))  # each names what it got
+
+
+@pytest.mark.parametrize("sixteen", [16, np.int64(16)])
+def test_an_integer_16_is_float16_wherever_a_dtype_is_taken(sixteen):
+    assert resolve_opt_level("O2", dtype=sixteen).cast_model_type == torch.float16
+    assert resolve_opt_level("O2", cast_model_type=sixteen).cast_model_type == torch.float16
 
 
 @pytest.mark.parametrize("bad", ["01", "O6", "o1", "", None])

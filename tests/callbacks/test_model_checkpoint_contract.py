@@ -407,7 +407,8 @@ class ReadsPathsAtTrainStart(ampkit.Callback):
         self.checkpoint, self.read = checkpoint, {}
 
     def on_train_start(self, trainer) -> None:
-        self.read = {"best": self.checkpoint.best_model_path, "models": list(self.checkpoint.best_k_models)}
+        self.read = {"best": self.checkpoint.best_model_path, "models": list(self.checkpoint.best_k_models),
+                     "last": self.checkpoint.last_model_path}  # fmt: skip
 
 
 @pytest.mark.parametrize("monitor", [None, "val/mse"])
@@ -434,8 +435,11 @@ def test_a_branch_answers_best_model_path_from_its_start_as_the_straight_run_doe
     expected = next(iter(ranked)) if monitor else "step-00000006.pt"  # the straight run's answer at step 6
     assert reader.read["best"] == str(origin / expected) and Path(reader.read["best"]).is_file()
     assert reader.read["models"] == [str(origin / name) for name in ranked] and (ranked or not monitor)
+    # last_model_path named the branch's own last.pt (with a monitor), not written yet, or '' (without one)
+    assert reader.read["last"] == str(origin / "step-00000006.pt")  # the checkpoint it resumed, there
     here = branched.version_dir / "checkpoints"
     assert branch.best_model_path == str(here / (expected if monitor else "step-00000007.pt"))  # its own, once saved
+    assert branch.last_model_path == str(here / "last.pt") and Path(branch.last_model_path).is_file()
 
 
 def _disk_full_when_writing(name: str, monkeypatch) -> None:

@@ -96,6 +96,18 @@ def test_a_naming_attribute_ampkit_cannot_honour_is_refused_on_a_subclass_and_on
     assert said in str(refused.value) and run.state.global_step == 0
 
 
+@pytest.mark.parametrize(
+    ("attribute", "value"),
+    [("CHECKPOINT_NAME_LAST", "x" * 5000 + "{"), ("CHECKPOINT_NAME_LAST", "runs/" + "x" * 5000),
+     ("CHECKPOINT_NAME_LAST", "{epoch:" + "x" * 5000 + "}"), ("CHECKPOINT_EQUALS_CHAR", "_" * 5000)],
+)  # fmt: skip
+def test_a_refused_naming_attribute_is_named_by_its_start_and_length(attribute, value):
+    """The refusals repeated a pasted 5000-character name whole, some twice (the name and the file it makes)."""
+    with pytest.raises(ValueError, match=r"characters\)") as refused:
+        type("Named", (ModelCheckpoint,), {attribute: value})()
+    assert len(str(refused.value)) < 700
+
+
 @pytest.mark.parametrize("key", ["named_last", "replacing_last"])
 @pytest.mark.parametrize("named", ["step-00000003.pt", "last.pt", "best-00000002.pt", "../notes.txt"])
 def test_a_restored_last_copy_naming_one_of_ampkit_s_files_or_a_path_is_refused(named, key):

@@ -269,6 +269,9 @@ def test_registered_functions_apply_from_the_next_o1_initialize_and_are_undone_a
 def test_register_rejects_missing_functions():
     with pytest.raises(ValueError, match="no_such_fn"):
         amp.register_half_function(torch, "no_such_fn")
+    with pytest.raises(ValueError, match=r"No function named 'fff.*\(5002 characters\) in module") as refused:
+        amp.register_half_function(torch, "f" * 5000)  # named by its start and length, not repeated whole
+    assert len(str(refused.value)) < 300
 
 
 def test_decorators_cast_only_while_o1_is_active():

@@ -262,7 +262,6 @@ def test_the_successor_fusedadam_is_built_without_the_first_ones_arguments(shim)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"scale_windw": 3}}, r"dynamic_loss_args has \['scale_windw'\]"),
     ({"static_loss_scale": 0.0}, r"static_loss_scale=0.0: expected a number > 0"),
     ({"dynamic_loss_args": {"scale_window": 3}}, "dynamic_loss_args needs dynamic_loss_scale=True"),
     # an init_scale of 0 divided every gradient by it, inf overflowed every step; "False" was read as on

@@ -90,6 +90,8 @@ def test_apex_layout_checkpoints_and_errors(apex_mlp):
     assert MLP is apex_mlp.MLP
     with pytest.raises(TypeError, match="activation 'gelu' is not one of 'none', 'relu', 'sigmoid'"):
         apex_mlp.MLP([4, 2], activation="gelu")
+    with pytest.raises(TypeError, match=r"activation 'ggg.* \(10002 characters\) is not one of"):
+        apex_mlp.MLP([4, 2], activation="g" * 10_000)
     with pytest.raises(ValueError, match=r"the input must be 2-D \(batch, features\), got shape \[2, 3, 4\]"):
         apex_mlp.MLP([4, 2])(torch.randn(2, 3, 4))
 

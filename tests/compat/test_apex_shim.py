@@ -446,6 +446,17 @@ def test_legacy_launcher_argument_errors(tmp_path, capsys):
         main([str(tmp_path)])
     main(["--help"])
     assert "--force-shim" in capsys.readouterr().out
+    long = "x" * 10_000  # a pasted path, option or module name: named by its start and length, not repeated whole
+    for args in (
+        [str(tmp_path / long)],
+        ["--" + long],
+        ["-m", long],
+        ["-m", "apex." + long],
+        ["-m", "apex.amp." + long],
+    ):
+        with pytest.raises(SystemExit, match=r"characters\)") as refused:
+            main(args)
+        assert len(str(refused.value.code)) < 800, args
     assert "AMPKIT_APEX_SHIM" not in os.environ and "apex" not in sys.modules  # nothing was installed
 
 

@@ -4,6 +4,7 @@ update_master_grads, Apex's step / closure / zero_grad control flow, its attribu
 import copy
 import io
 import pickle
+import re
 import types
 
 import pytest
@@ -91,6 +92,27 @@ def test_a_refused_option_leaves_the_optimizer_as_it_was(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FP16_Optimizer(sgd, verbose=False, **kwargs)
     assert all(p is q for p, q in zip(sgd.param_groups[0]["params"], model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"dynamic_loss_scale": True, "dynamic_loss_args": 5},
+     {"dynamic_loss_scale": True, "dynamic_loss_args": {"scale_windw": 3}}],
+)  # fmt: skip
+def test_both_fp16_optimizers_refuse_an_option_in_the_same_words(kwargs):
+    """Apex's first FP16_Optimizer (over FusedAdam) and its last checked the same options each its own way: a misspelt
+    dynamic_loss_args key was a ValueError in one and a TypeError in the other, each worded otherwise, and a number
+    for the args failed in dict(), naming neither."""
+    from ampkit.compat.legacy_fused_adam import FP16_Optimizer as FirstFP16Optimizer
+
+    refused = []
+    for wrapper in (FP16_Optimizer, FirstFP16Optimizer):
+        sgd = torch.optim.SGD(_model().parameters(), lr=0.1)
+        with pytest.raises((TypeError, ValueError), match="^FP16_Optimizer: ") as caught:
+            wrapper(sgd, **kwargs)
+        assert "scale_window" in str(caught.value)  # the keys it takes (each class its own: the first takes fewer)
+        refused.append((type(caught.value), re.sub(r"(dict of|takes are) .*", r"\1 ...", str(caught.value))))
+    assert refused[0] == refused[1] and refused[0][0] is TypeError
 
 
 @pytest.mark.parametrize("first_api", [False, True])

@@ -19,6 +19,7 @@ import torch
 
 from ampkit.compat.amp import o1_casts
 from ampkit.compat.amp._amp_state import _amp_state
+from ampkit.wording import shown
 
 _registry: dict[tuple[int, str], tuple[Any, str, str]] = {}
 
@@ -30,7 +31,7 @@ def registered_casts() -> list[tuple[Any, str, str]]:
 
 def _register(module: Any, name: str, kind: str) -> None:
     if not hasattr(module, name):
-        raise ValueError(f"No function named {name!r} in module {module!r}")
+        raise ValueError(f"No function named {shown(name)} in module {module!r}")
     _registry[(id(module), name)] = (module, name, kind)
 
 

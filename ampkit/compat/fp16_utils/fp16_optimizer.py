@@ -33,6 +33,7 @@ from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp.scaler import ApexLossScaler, scripts_unscales
+from ampkit.compat.fp16_utils._options import checked_options
 from ampkit.compat.fp16_utils.fp16util import clip_grad_norm
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.host_values import host_numbers
@@ -50,16 +51,9 @@ _DYNAMIC_LOSS_ARG_NAMES = {
 }
 
 
-def _dynamic_scaler(dynamic_loss_args: Mapping[str, Any] | None) -> ApexLossScaler:
-    """Apex's ``LossScaler("dynamic", **dynamic_loss_args)``: always halves / doubles (``scale_factor`` ignored, with a
-    warning where it is not 2)."""
-    args = dict(dynamic_loss_args or {})
-    unknown = sorted(set(args) - set(_LOSS_SCALER_ARGS))
-    if unknown:
-        raise TypeError(
-            f"dynamic_loss_args has unknown keys {unknown}; valid keys (Apex amp LossScaler's) are "
-            f"{list(_LOSS_SCALER_ARGS)}"
-        )
+def _dynamic_scaler(args: dict[str, Any]) -> ApexLossScaler:
+    """Apex's ``LossScaler("dynamic", **dynamic_loss_args)`` (``args``: its checked keys): always halves / doubles
+    (``scale_factor`` ignored, with a warning where it is not 2)."""
     scaler = ApexLossScaler("dynamic", **args, option_names=_DYNAMIC_LOSS_ARG_NAMES)
     # Apex starts at init_scale as given, even above max_loss_scale; within float32's range (1e39 skipped ~870 steps)
     scaler._loss_scale = float32_scale(args.get("init_scale", 2.0**16), _DYNAMIC_LOSS_ARG_NAMES["init_scale"])
@@ -103,11 +97,12 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         dynamic_loss_args: Mapping[str, Any] | None = None,
         verbose: bool = True,
     ) -> None:
-        self.verbose = checked_switch("FP16_Optimizer", "verbose", verbose)  # "False" printed every message
         # the scale's options before the optimizer is touched: one refused leaves its groups as they were
-        self.dynamic_loss_scale = checked_switch("FP16_Optimizer", "dynamic_loss_scale", dynamic_loss_scale)
+        self.verbose, self.dynamic_loss_scale, args = checked_options(
+            verbose, dynamic_loss_scale, dynamic_loss_args, _LOSS_SCALER_ARGS
+        )
         if self.dynamic_loss_scale:
-            self.loss_scaler = _dynamic_scaler(dynamic_loss_args)
+            self.loss_scaler = _dynamic_scaler(args)
         else:  # Apex ignores dynamic_loss_args here
             self.loss_scaler = ApexLossScaler(static_loss_scale, option_names={"loss_scale": "static_loss_scale"})
         self.optimizer = init_optimizer
