@@ -144,6 +144,21 @@ class UnfreezesBetweenBackwards(UnfreezesAtEpoch1):
         return super().training_step(batch)
 
 
+class RefreezesBetweenBackwards(UnfreezesAtEpoch1):
+    """The same layer unfrozen at epoch 0's start (after DDP wrapped the model) and frozen again in training_step at
+    batch 3, with two batches an iteration: between the two backwards of iteration 2, whose step it takes on the
+    gradient of batch 2."""
+
+    def on_train_epoch_start(self):
+        if self.state.epoch == 0:
+            self.module[0].requires_grad_(True)
+
+    def training_step(self, batch):
+        if self.state.epoch == 0 and self.state.batch_idx == 3:
+            self.module[0].requires_grad_(False)
+        return super().training_step(batch)
+
+
 # the precision of each ddp_unfreeze scenario
 UNFREEZE_PRECISION = {
     "ddp_unfreeze": {},
@@ -151,11 +166,14 @@ UNFREEZE_PRECISION = {
     "ddp_unfreeze_o2": {"opt_level": "O2", "dtype": "float16", "init_scale": 256.0},
     "ddp_unfreeze_between_fp16": {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0},
     "ddp_unfreeze_between_o2": {"opt_level": "O2", "dtype": "float16", "init_scale": 256.0},
+    "ddp_unfreeze_refreeze_between_o2": {"opt_level": "O2", "dtype": "float16", "init_scale": 256.0},
 }
 
 
 def unfreeze_run(scenario: str) -> tuple[type, dict]:
     """The trainer class of a ddp_unfreeze scenario, and its ``trainer`` options beyond two epochs."""
+    if "_refreeze_between_" in scenario:
+        return RefreezesBetweenBackwards, {"accumulate_grad_batches": 2}
     if "_between_" in scenario:
         return UnfreezesBetweenBackwards, {"accumulate_grad_batches": 2}
     return UnfreezesAtEpoch1, {}

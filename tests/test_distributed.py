@@ -87,13 +87,21 @@ def test_a_loss_of_the_bare_module_under_ddp_is_refused_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize(
     "scenario",
-    ["ddp_unfreeze", "ddp_unfreeze_fp16", "ddp_unfreeze_o2", "ddp_unfreeze_between_fp16", "ddp_unfreeze_between_o2"],
+    [
+        "ddp_unfreeze",
+        "ddp_unfreeze_fp16",
+        "ddp_unfreeze_o2",
+        "ddp_unfreeze_between_fp16",
+        "ddp_unfreeze_between_o2",
+        "ddp_unfreeze_refreeze_between_o2",
+    ],
 )
 def test_a_layer_unfrozen_after_ddp_wrapped_the_model_is_averaged_across_ranks(tmp_path, scenario):
     """DDP's reducer averages only the parameters trainable when it wrapped the model: a layer unfrozen at epoch 1
     trained on each rank's own gradients, and the ranks drifted apart without a word. Under O2 the layer gets its fp32
     master when it is unfrozen: the master's gradient is averaged. ``_between_``: unfrozen between the two backwards of
-    an iteration, its gradients of the second were averaged from the next iteration on only."""
+    an iteration, its gradients of the second were averaged from the next iteration on only; ``_refreeze_``:
+    frozen again there, its gradients of the first still are."""
     rank0, rank1 = _ok(launch(scenario, tmp_path))
     _equal(rank0["model"], rank1["model"])
     from dist_worker import UNFREEZE_PRECISION, unfreeze_run
