@@ -131,12 +131,52 @@ class UnfreezesAtEpoch1(Plain):
             self.module[0].requires_grad_(True)
 
 
+class UnfreezesBetweenBackwards(UnfreezesAtEpoch1):
+    """The same layer unfrozen in training_step at batch 3 instead, with two batches an iteration: between the two
+    backwards of iteration 2."""
+
+    def on_train_epoch_start(self):
+        pass
+
+    def training_step(self, batch):
+        if self.state.epoch == 0 and self.state.batch_idx == 3:
+            self.module[0].requires_grad_(True)
+        return super().training_step(batch)
+
+
+class RefreezesBetweenBackwards(UnfreezesAtEpoch1):
+    """The same layer unfrozen at epoch 0's start (after DDP wrapped the model) and frozen again in training_step at
+    batch 3, with two batches an iteration: between the two backwards of iteration 2, whose step it takes on the
+    gradient of batch 2."""
+
+    def on_train_epoch_start(self):
+        if self.state.epoch == 0:
+            self.module[0].requires_grad_(True)
+
+    def training_step(self, batch):
+        if self.state.epoch == 0 and self.state.batch_idx == 3:
+            self.module[0].requires_grad_(False)
+        return super().training_step(batch)
+
+
 # the precision of each ddp_unfreeze scenario
 UNFREEZE_PRECISION = {
     "ddp_unfreeze": {},
     "ddp_unfreeze_fp16": {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0},
     "ddp_unfreeze_o2": {"opt_level": "O2", "dtype": "float16", "init_scale": 256.0},
+    "ddp_unfreeze_between_fp16": {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0},
+    "ddp_unfreeze_between_o2": {"opt_level": "O2", "dtype": "float16", "init_scale": 256.0},
+    "ddp_unfreeze_refreeze_between_o2": {"opt_level": "O2", "dtype": "float16", "init_scale": 256.0},
 }
+
+
+def unfreeze_run(scenario: str) -> tuple[type, dict]:
+    """The trainer class of a ddp_unfreeze scenario, and its ``trainer`` options beyond two epochs."""
+    if "_refreeze_between_" in scenario:
+        return RefreezesBetweenBackwards, {"accumulate_grad_batches": 2}
+    if "_between_" in scenario:
+        return UnfreezesBetweenBackwards, {"accumulate_grad_batches": 2}
+    return UnfreezesAtEpoch1, {}
 
 
 class Shuffled(Plain):
@@ -867,10 +907,10 @@ def main(scenario: str, out: Path) -> None:
         }
         trainer = Plain(cfg)
     elif scenario.startswith("ddp_unfreeze"):
-        precision = UNFREEZE_PRECISION[scenario]
+        precision, (trainer_class, options) = UNFREEZE_PRECISION[scenario], unfreeze_run(scenario)
         cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"enabled": False},
-               "trainer": {**cpu, "max_epochs": 2}, "precision": precision}  # fmt: skip
-        trainer = UnfreezesAtEpoch1(cfg)
+               "trainer": {**cpu, "max_epochs": 2, **options}, "precision": precision}  # fmt: skip
+        trainer = trainer_class(cfg)
     elif scenario == "overflow":
         spy = OverflowOnRank1()
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 6}}

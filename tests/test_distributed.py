@@ -85,19 +85,32 @@ def test_a_loss_of_the_bare_module_under_ddp_is_refused_on_every_rank(tmp_path):
         assert "training_step's loss did not come from self.model: under DDP only self.model" in result.stderr
 
 
-@pytest.mark.parametrize("scenario", ["ddp_unfreeze", "ddp_unfreeze_fp16", "ddp_unfreeze_o2"])
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "ddp_unfreeze",
+        "ddp_unfreeze_fp16",
+        "ddp_unfreeze_o2",
+        "ddp_unfreeze_between_fp16",
+        "ddp_unfreeze_between_o2",
+        "ddp_unfreeze_refreeze_between_o2",
+    ],
+)
 def test_a_layer_unfrozen_after_ddp_wrapped_the_model_is_averaged_across_ranks(tmp_path, scenario):
     """DDP's reducer averages only the parameters trainable when it wrapped the model: a layer unfrozen at epoch 1
     trained on each rank's own gradients, and the ranks drifted apart without a word. Under O2 the layer gets its fp32
-    master when it is unfrozen: the master's gradient is averaged."""
+    master when it is unfrozen: the master's gradient is averaged. ``_between_``: unfrozen between the two backwards of
+    an iteration, its gradients of the second were averaged from the next iteration on only; ``_refreeze_``:
+    frozen again there, its gradients of the first still are."""
     rank0, rank1 = _ok(launch(scenario, tmp_path))
     _equal(rank0["model"], rank1["model"])
-    from dist_worker import UNFREEZE_PRECISION, UnfreezesAtEpoch1
+    from dist_worker import UNFREEZE_PRECISION, unfreeze_run
 
-    precision = UNFREEZE_PRECISION[scenario]
-    single = UnfreezesAtEpoch1({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
-                                "logging": {"tensorboard": False}, "checkpoint": {"enabled": False},
-                                "trainer": {"max_epochs": 2, "device": "cpu"}, "precision": precision})  # fmt: skip
+    precision, (trainer_class, options) = UNFREEZE_PRECISION[scenario], unfreeze_run(scenario)
+    options = {"max_epochs": 2, "device": "cpu", **options}
+    single = trainer_class({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
+                            "logging": {"tensorboard": False}, "checkpoint": {"enabled": False},
+                            "trainer": options, "precision": precision})  # fmt: skip
     single.fit()
     tolerance = 2e-2 if precision else 1e-5  # float16: equal up to its rounding
     for key, value in single.module.state_dict().items():

@@ -57,7 +57,7 @@ class DistributedSync(Callback):
         self._ddp_params: set[int] = set()  # the parameters DDP's reducer averages: those trainable when it wrapped
         self._ddp_names: list[str] = []  # their names, in DDP's order (its errors number them)
         self._trainable: TrainableParams | None = None
-        self._unfrozen: set[int] = set()  # trainable parameters DDP does not average: averaged at the step instead
+        self._unfrozen: set[int] = set()  # parameters trainable since DDP wrapped the model: averaged at the step
         self._evaluating: str | None = None  # "validation", "test", "prediction" while one runs (a fit's included)
 
     # ---------------------------------------------------------------- set-up
@@ -100,9 +100,6 @@ class DistributedSync(Callback):
             s = trainer.state
             self._ddp.require_backward_grad_sync = s.is_iteration_end or s.grads_leave_params
             self._forwarded = False
-            if s.is_iteration_start and self._trainable.changed():  # a parameter unfrozen since DDP wrapped the model
-                params = trainer.module.parameters()
-                self._unfrozen = {id(p) for p in params if p.requires_grad and id(p) not in self._ddp_params}
 
     def on_after_backward(self, trainer, backward: Any) -> None:
         if self._watch is not None and not self._forwarded:
@@ -147,8 +144,15 @@ class DistributedSync(Callback):
         if self.grad_sync == "step":  # every rank averages (also before a skip: the verdict is agreed anyway)
             self._average_grads(optimizer)
             trainer.optimizer_state[optimizer].grad_norm = None  # a norm cached before averaging is stale
-        elif self._unfrozen:  # DDP never averages a parameter frozen when it wrapped: the ranks would drift apart
-            self._average_unfrozen_grads(trainer, optimizer)
+        elif self._ddp is not None:  # DDP never averages a parameter frozen when it wrapped: ranks would drift apart
+            # Looked up at the step, after every backward before it, not at an iteration's start: a layer unfrozen
+            # between the backwards of one iteration (accumulation, manual optimization) has gradients from the later
+            # ones. Kept once unfrozen: frozen again mid-iteration, it has gradients from the earlier ones.
+            if self._trainable.changed():
+                params = trainer.module.parameters()
+                self._unfrozen |= {id(p) for p in params if p.requires_grad and id(p) not in self._ddp_params}
+            if self._unfrozen:
+                self._average_unfrozen_grads(trainer, optimizer)
 
     # ---------------------------------------------------------------- collectives
     def _average_grads(self, optimizer: torch.optim.Optimizer) -> None:
@@ -162,7 +166,9 @@ class DistributedSync(Callback):
             pairs = zip(masters.model_params, masters.master_params, strict=True)
         else:
             pairs = ((p, p) for group in optimizer.param_groups for p in group["params"])
-        if self._average_over_ranks([owner for p, owner in pairs if id(p) in self._unfrozen]):
+        # trainable, or frozen again since with a gradient of this iteration (its master stays requires_grad=True)
+        owners = [o for p, o in pairs if id(p) in self._unfrozen and (p.requires_grad or o.grad is not None)]
+        if self._average_over_ranks(owners):
             trainer.optimizer_state[optimizer].grad_norm = None
 
     def _average_over_ranks(self, tensors: list[torch.Tensor]) -> bool:

@@ -117,6 +117,7 @@ class LossScaling(Callback):
         self.scalers: dict[Any, LossScaler] = {}
         self._combiners: dict[torch.optim.Optimizer, GradientCombiner] = {}
         self._trainable: TrainableParams | None = None  # when the combiners' parameters must be looked up again
+        self._looked_at: int | None = None  # the iteration whose first backward read every parameter's requires_grad
         self._consecutive_skips: dict[str, int] = {}
         self._counts_seen: dict[str, tuple[int, int]] = {}  # per optimizer: (steps, skipped_steps) at the last look
         self._optimizer_states: dict = {}  # the Trainer's, to catch up on verdicts settled since the last look
@@ -175,6 +176,11 @@ class LossScaling(Callback):
 
     # ------------------------------------------------------------------ backward
     def _build_combiners(self, trainer) -> None:
+        """One combiner per optimizer over its trainable parameters. Also between two backwards of an iteration: the
+        gradients combined so far sit in ``.grad`` (the masters' under O2, the flat buffers' views with
+        ``combine_grad``), which the new combiners take over as they are; a parameter left out keeps its own."""
+        for combiner in self._combiners.values():
+            combiner.remove()  # the old flat buffers' hooks would run at every later backward
         for optimizer in trainer.optimizers.values():
             masters = trainer.optimizer_state[optimizer].master_weights
             if masters is not None:
@@ -191,6 +197,7 @@ class LossScaling(Callback):
 
     def on_fit_start(self, trainer) -> None:
         self._trainable = TrainableParams(trainer.module, trainer.optimizers.values())
+        self._looked_at = None
         self._log_every = trainer.cfg.logging.log_every_n_steps  # read once: config access costs µs per step
         trainer.state.grads_leave_params = True  # each backward's gradients go to a stash or the masters
 
@@ -199,9 +206,15 @@ class LossScaling(Callback):
         self._counts_seen = {st.name: (st.steps, st.skipped_steps) for st in trainer.optimizer_state.values()}
 
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
-        # Rebuilt at an iteration's start after training code unfroze a parameter or added a param group: one left out
-        # would step on gradients still multiplied by the loss scale, never checked for inf.
-        if (not self._combiners or trainer.state.is_iteration_start) and self._trainable.changed():
+        # Rebuilt after training code unfroze a parameter or added a param group, also between the backwards of one
+        # iteration (accumulation, manual optimization): one left out would step on gradients still multiplied by the
+        # loss scale, never checked for inf. One frozen is left out from the next iteration on (it gets no gradient).
+        if self._looked_at != trainer.state.iteration:  # the iteration's first backward: every parameter read
+            self._looked_at = trainer.state.iteration
+            rebuild = self._trainable.changed()
+        else:  # between its backwards: only the frozen ones (nothing in a model with none)
+            rebuild = self._trainable.grew()
+        if rebuild:
             self._build_combiners(trainer)
         for combiner in self._combiners.values():
             combiner.prepare_backward()

@@ -84,7 +84,8 @@ class MixedPrecision(Callback):
     - ``master_weights``: each optimizer holds fp32 masters; they are copied into the model after every
       step that ran (not after a skipped one) and saved in checkpoints, so a resumed run is bit-identical. As in
       Apex, a parameter frozen at set-up (a fine-tuned backbone) gets none, saving its fp32 copy; unfrozen later, it
-      gets its master at the next iteration's first backward (where the gradient combiner is rebuilt).
+      gets its master at its next backward, also between two of one iteration (where the gradient combiner is
+      rebuilt).
 
     A standalone ``validate``/``test``/``predict`` casts at ``on_evaluation_setup`` and runs under autocast too.
 

@@ -65,14 +65,32 @@ class TrainableParams:
         self._params = list(module.parameters())
         self._optimizers = list(optimizers)
         self._seen: tuple[int, list[bool]] | None = None
+        self._frozen: list[torch.Tensor] = []  # the parameters frozen at the last look
+
+    def _held(self) -> int:
+        """How many tensors the optimizers hold: a param group added changes it."""
+        return sum([len(group["params"]) for optimizer in self._optimizers for group in optimizer.param_groups])
 
     def changed(self) -> bool:
         """Whether they changed since the last call (True at the first). Asked once an iteration by each callback
         that keeps such a list, it reads every parameter's ``requires_grad`` (about 80 ns each): a comprehension,
         not a generator unpacked into a tuple (a fifth less)."""
-        held = sum(len(group["params"]) for optimizer in self._optimizers for group in optimizer.param_groups)
-        now = (held, [param.requires_grad for param in self._params])
+        trainable = [param.requires_grad for param in self._params]
+        now = (self._held(), trainable)
         if now == self._seen:
             return False
         self._seen = now
+        self._frozen = [param for param, grad in zip(self._params, trainable, strict=True) if not grad]
         return True
+
+    def grew(self) -> bool:
+        """Whether a parameter frozen at the last look requires a gradient now, or a param group was added; when so,
+        the look is taken again as :meth:`changed` takes it. For the backwards after an iteration's first: it reads
+        only the frozen parameters, nothing in a model with none (one frozen since is found at the next
+        :meth:`changed`; until then a backward gives it no gradient, which a cache that still holds it handles)."""
+        if self._seen is None or self._held() != self._seen[0]:
+            return self.changed()
+        for param in self._frozen:  # a loop: any() over a generator costs twice as much a parameter
+            if param.requires_grad:
+                return self.changed()
+        return False

@@ -838,6 +838,161 @@ def _optimizer_tensors(trainer) -> list[torch.Tensor]:
     return [t.detach().clone() for group in trainer.optimizer.param_groups for t in group["params"]]
 
 
+class UnfreezesBetweenBackwardsTrainer(UnfreezeTrainer):
+    """UnfreezeTrainer's fine-tuning with two batches an iteration (``trainer.accumulate_grad_batches=2``), the first
+    layer unfrozen in training_step at batch 3: the second batch of iteration 2, between its two backwards."""
+
+    def on_train_epoch_start(self):
+        pass
+
+    def training_step(self, batch):
+        if self.state.epoch == 0 and self.state.batch_idx == 3:
+            self.module[0].requires_grad_(True)
+        return super().training_step(batch)
+
+
+class AddsGroupBetweenBackwardsTrainer(UnfreezesBetweenBackwardsTrainer):
+    """The same with the first layer outside the optimizer until then, added to it as a param group."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module[2].parameters(), lr=0.05)
+
+    def training_step(self, batch):
+        if self.state.epoch == 0 and self.state.batch_idx == 3:
+            self.optimizer.add_param_group({"params": list(self.module[0].parameters())})
+        return super().training_step(batch)
+
+
+class FreezesBetweenBackwardsTrainer(UnfreezesBetweenBackwardsTrainer):
+    """The first layer trains from the start and is frozen at batch 3, between the backwards of iteration 2: its
+    gradient of batch 2 stays, and it steps on it once more."""
+
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def training_step(self, batch):
+        if self.state.epoch == 0 and self.state.batch_idx == 3:
+            self.module[0].requires_grad_(False)
+        return UnfreezeTrainer.training_step(self, batch)
+
+
+class SwapsBetweenBackwardsTrainer(UnfreezesBetweenBackwardsTrainer):
+    """At batch 3, between the backwards of iteration 2, the first layer is unfrozen and the last frozen: the unscale
+    lists are rebuilt without the last, which steps on its gradient of batch 2."""
+
+    def training_step(self, batch):
+        if self.state.epoch == 0 and self.state.batch_idx == 3:
+            self.module[2].requires_grad_(False)
+        return super().training_step(batch)
+
+
+class ManualUnfreezesBetweenBackwardsTrainer(UnfreezeTrainer):
+    """Manual optimization with one backward per half batch, the first layer unfrozen at batch 3 between its two
+    backwards."""
+
+    automatic_optimization = False
+
+    def on_train_epoch_start(self):
+        pass
+
+    def training_step(self, batch):
+        x, y = batch
+        for half in (slice(0, 4), slice(4, 8)):
+            if self.state.epoch == 0 and self.state.batch_idx == 3 and half.start == 4:
+                self.module[0].requires_grad_(True)
+            loss = nn.functional.mse_loss(self.model(x[half]), y[half]) / 2
+            self.backward(loss)
+        self.step(self.optimizer)
+        return loss.detach()
+
+
+def _fit_between_backwards(path, trainer_class, accumulate=2, **precision):
+    trainer, _ = _fit_fine_tuning(path, trainer_class, trainer_cfg={"accumulate_grad_batches": accumulate}, **precision)
+    return trainer
+
+
+# (trainer, batches an iteration): manual optimization's two backwards a batch, also in one-batch iterations
+_BETWEEN_BACKWARDS = [
+    (UnfreezesBetweenBackwardsTrainer, 2),
+    (AddsGroupBetweenBackwardsTrainer, 2),
+    (ManualUnfreezesBetweenBackwardsTrainer, 2),
+    (ManualUnfreezesBetweenBackwardsTrainer, 1),
+]
+_SCALED_LEVELS = [("O1", "float16", False), ("O2", "float16", False), ("O1", "bfloat16", False),
+                  ("O2", "bfloat16", False), ("O1", "float16", True), ("O2", "float16", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("trainer_class", "accumulate"), _BETWEEN_BACKWARDS)
+@pytest.mark.parametrize(("opt_level", "dtype", "combine_grad"), _SCALED_LEVELS)
+def test_a_layer_unfrozen_between_the_backwards_of_an_iteration_is_unscaled_like_the_others(
+    tmp_path, trainer_class, accumulate, opt_level, dtype, combine_grad
+):
+    """The gradients of a layer unfrozen (or added as a param group) between two backwards of one iteration are
+    unscaled and checked from the next backward on, the others' already combined kept: the run is the one without a
+    loss scale. The unscale lists were rebuilt at an iteration's start only, so it stepped on gradients still
+    multiplied by the loss scale (SGD moved it by hundreds)."""
+    precision = {"opt_level": opt_level, "dtype": dtype, "combine_grad": combine_grad, "loss_scale": "dynamic"}
+    scaled = _fit_between_backwards(tmp_path / "dynamic", trainer_class, accumulate, **precision)
+    float32 = _fit_between_backwards(tmp_path / "float32", trainer_class, accumulate, opt_level="O0")
+    moved = (scaled.module[0].weight.float() - scaled.first_layer_at_start.float()).abs().max()
+    assert 1e-2 < moved < 1.0  # it trained once unfrozen, at SGD's pace
+    for key, value in params_of(float32).items():
+        torch.testing.assert_close(params_of(scaled)[key].float(), value, rtol=0, atol=2e-3)
+    if opt_level == "O2":  # the layer got its fp32 master before its first step
+        assert all(p.dtype == torch.float32 for group in scaled.optimizer.param_groups for p in group["params"])
+    if combine_grad:  # the flat buffers replaced at the unfreeze took their hooks with them (each ran per backward)
+        assert len(scaled.module[2].weight._post_accumulate_grad_hooks) == 1
+
+
+@pytest.mark.parametrize("trainer_class", [FreezesBetweenBackwardsTrainer, SwapsBetweenBackwardsTrainer])
+@pytest.mark.parametrize(("opt_level", "dtype", "combine_grad"), _SCALED_LEVELS)
+def test_a_layer_frozen_between_the_backwards_of_an_iteration_steps_on_what_it_had(
+    tmp_path, trainer_class, opt_level, dtype, combine_grad
+):
+    """A layer frozen between two backwards keeps the gradient the iteration's earlier backward gave it, unscaled,
+    and steps on it as the run without a loss scale does, also when another layer unfrozen at that backward has the
+    unscale lists rebuilt without it; the others' are kept too."""
+    precision = {"opt_level": opt_level, "dtype": dtype, "combine_grad": combine_grad, "loss_scale": "dynamic"}
+    scaled = _fit_between_backwards(tmp_path / "dynamic", trainer_class, **precision)
+    float32 = _fit_between_backwards(tmp_path / "float32", trainer_class, opt_level="O0")
+    for key, value in params_of(float32).items():
+        torch.testing.assert_close(params_of(scaled)[key].float(), value, rtol=0, atol=2e-3)
+
+
+class StaysFrozenTrainer(UnfreezesBetweenBackwardsTrainer):
+    """UnfreezesBetweenBackwardsTrainer's run with the first layer never unfrozen."""
+
+    def training_step(self, batch):
+        return UnfreezeTrainer.training_step(self, batch)
+
+
+class NeverFrozenTrainer(FreezesBetweenBackwardsTrainer):
+    """FreezesBetweenBackwardsTrainer's run with the first layer never frozen."""
+
+    def training_step(self, batch):
+        return UnfreezeTrainer.training_step(self, batch)
+
+
+@pytest.mark.parametrize(
+    ("changes", "stays"),
+    [(UnfreezesBetweenBackwardsTrainer, StaysFrozenTrainer), (FreezesBetweenBackwardsTrainer, NeverFrozenTrainer)],
+)
+@pytest.mark.parametrize(("opt_level", "dtype", "combine_grad"), _SCALED_LEVELS)
+def test_a_change_between_backwards_keeps_the_gradients_the_others_combined(
+    tmp_path, changes, stays, opt_level, dtype, combine_grad
+):
+    """The unscale lists rebuilt at a layer's unfreeze or freeze, between two backwards, take over the gradients the
+    iteration's first backward combined for the other layer: at that iteration's end its weights have the bits of a
+    run whose first layer did not change."""
+    precision = {"opt_level": opt_level, "dtype": dtype, "combine_grad": combine_grad, "loss_scale": "dynamic"}
+    two_steps = {"accumulate_grad_batches": 2, "max_steps": 2}  # the change is in step 2
+    changed, _ = _fit_fine_tuning(tmp_path / "changes", changes, trainer_cfg=two_steps, **precision)
+    kept, _ = _fit_fine_tuning(tmp_path / "stays", stays, trainer_cfg=two_steps, **precision)
+    assert not torch.equal(changed.module[0].weight, kept.module[0].weight)
+    for key in ("2.weight", "2.bias"):
+        assert torch.equal(params_of(changed)[key], params_of(kept)[key]), key
+
+
 class HeldThenTrainedTrainer(UnfreezeTrainer):
     """UnfreezeTrainer's fine-tuning never frozen: the first layer trains from the start, at learning rate 0 until
     epoch 1 (SGD without momentum leaves it exactly as it was), then at the other layer's rate."""
