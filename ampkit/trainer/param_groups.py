@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ampkit.amp.trainable import any_requires_grad
+
 TRAINABLE_KEY = "trainable"
 
 
@@ -90,7 +92,4 @@ class TrainableParams:
         :meth:`changed`; until then a backward gives it no gradient, which a cache that still holds it handles)."""
         if self._seen is None or self._held() != self._seen[0]:
             return self.changed()
-        for param in self._frozen:  # a loop: any() over a generator costs twice as much a parameter
-            if param.requires_grad:
-                return self.changed()
-        return False
+        return any_requires_grad(self._frozen) and self.changed()
