@@ -266,7 +266,8 @@ def test_collective_callbacks_that_differ_across_ranks_are_named_with_the_ranks_
 def test_collective_callbacks_are_matched_across_ranks_by_the_class_whose_collectives_they_take(monkeypatch):
     """A subclass of ModelCheckpoint (or two differently named ones) lines up with a ModelCheckpoint on another rank:
     they take the same collectives. Still refused: one on some ranks only (named by the class it extends and the name
-    given), another count, and a subclass that says it joins collectives of its own beside the plain class."""
+    given), another count, a subclass that says it joins collectives of its own beside the plain class, and an
+    unrelated class that only shares the name (named in full then)."""
     from ampkit.callbacks import EarlyStopping, ModelCheckpoint
     from ampkit.trainer import rank_callbacks
     from ampkit.trainer.distributed import DistributedEnv
@@ -301,6 +302,13 @@ def test_collective_callbacks_are_matched_across_ranks_by_the_class_whose_collec
     assert str(refused.value).startswith(
         "Gathering is given on rank(s) 0 but not on rank(s) 1; "
         "ModelCheckpoint is given on rank(s) 1 but not on rank(s) 0"
+    )
+    own = type("ModelCheckpoint", (ampkit.Callback,), {"takes_part_in_collectives": True, "__module__": "mine"})
+    with pytest.raises(rank_callbacks.CallbacksDifferAcrossRanksError) as refused:  # a class of the same name only
+        check([own()], [ModelCheckpoint()])
+    assert str(refused.value).startswith(
+        "ampkit.callbacks.checkpoint.ModelCheckpoint is given on rank(s) 1 but not on rank(s) 0; "
+        "mine.ModelCheckpoint is given on rank(s) 0 but not on rank(s) 1: "
     )
 
 

@@ -7,9 +7,11 @@ by their monitor as Lightning's are, save under names a resume finds. (Patience,
 
 from __future__ import annotations
 
+import math
 import re
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 from toy_trainers import ToyTrainer, toy_cfg
@@ -17,6 +19,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 from ampkit import Callback, ConfigError, Phase
 from ampkit.callbacks import EarlyStopping, EarlyStoppingReason
 from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.wording import shown
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False,
          "trainer.num_sanity_val_steps": 0, "trainer.max_epochs": 2}  # fmt: skip
@@ -303,7 +306,7 @@ def test_stopping_reason_and_its_message_say_which_rule_stopped_the_run_as_light
     ("key", "saved"),
     [("stopping_reason", "bogus"), ("stopping_reason", 3), ("stopping_reason", "PATIENCE_EXHAUSTED"),
      ("stopping_reason", None), ("stopping_reason_message", 5), ("wait", "3"), ("wait", -1), ("best", "0.5"),
-     ("stopped_epoch", 1.5)],
+     ("best", math.inf), ("stopped_epoch", 1.5)],
 )  # fmt: skip
 def test_a_damaged_saved_stopping_reason_is_refused_naming_it_and_the_valid_ones(key, saved):
     """A checkpoint's stopping_reason that is no EarlyStoppingReason's value failed deep in Enum's lookup, naming
@@ -317,6 +320,26 @@ def test_a_damaged_saved_stopping_reason_is_refused_naming_it_and_the_valid_ones
     loaded = EarlyStopping(monitor="val/loss")
     loaded.load_state_dict(older)
     assert loaded.stopping_reason is EarlyStoppingReason.NOT_STOPPED and loaded.stopping_reason_message is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "valid"),
+    [("wait", "x", "an integer >= 0"), ("wait", -1, "an integer >= 0"), ("wait", True, "an integer >= 0"),
+     ("wait", 2.0, "an integer >= 0"), ("best", "x", "a finite number or None"),
+     ("best", math.nan, "a finite number or None"), ("best", True, "a finite number or None"),
+     ("best", 10**400, "a finite number or None")],
+)  # fmt: skip
+def test_wait_and_best_assigned_a_bad_value_are_refused_naming_it(key, value, valid):
+    """``es.wait = "x"`` was kept and failed at the next check's comparison, naming neither; a number is kept (best as
+    a float: numpy's would not load under weights_only)."""
+    stopper = EarlyStopping("val/loss")
+    with pytest.raises(ValueError, match=rf"^EarlyStopping: {key}={re.escape(shown(value))}: expected {valid} \("):
+        setattr(stopper, key, value)
+    assert (stopper.wait, stopper.best) == (0, None)
+    stopper.wait, stopper.best = np.int64(2), np.float64(0.5)
+    assert (stopper.wait, stopper.best) == (2, 0.5) and type(stopper.wait) is int and type(stopper.best) is float
+    stopper.best = None
+    assert stopper.best is None and stopper.best_score is None
 
 
 def test_a_resume_whose_file_holds_a_damaged_stopping_reason_names_the_file_and_the_callback(tmp_path):

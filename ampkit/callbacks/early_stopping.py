@@ -162,6 +162,34 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
         self._check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
 
     @property
+    def wait(self) -> int:
+        """The checks in a row without an improvement; assignable (an integer >= 0), checked when set rather than at the
+        next check's comparison."""
+        return self._wait
+
+    @wait.setter
+    def wait(self, wait: int) -> None:
+        if isinstance(wait, bool) or not isinstance(wait, numbers.Integral) or wait < 0:
+            raise ValueError(
+                f"EarlyStopping: wait={shown(wait)}: expected an integer >= 0 (the checks in a row without an "
+                "improvement)"
+            )
+        self._wait = int(wait)
+
+    @property
+    def best(self) -> float | None:
+        """The best value so far (None before a check); assignable (a finite number or None), checked when set."""
+        return self._best
+
+    @best.setter
+    def best(self, best: float | None) -> None:
+        if best is not None and not _finite_number(best):  # a str failed at the next check's comparison
+            raise ValueError(
+                f"EarlyStopping: best={shown(best)}: expected a finite number or None (the best value so far)"
+            )
+        self._best = None if best is None else float(best)  # a numpy float would not load under weights_only
+
+    @property
     def wait_count(self) -> int:
         """Lightning's name of :attr:`wait`: the checks in a row without an improvement."""
         return self.wait
@@ -247,8 +275,8 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
         best, wait, stopped_epoch = state["best"], state["wait"], state.get("stopped_epoch", 0)  # none in an older one
         if isinstance(best, torch.Tensor) and best.numel() == 1:  # as a metric logged as a tensor may have been
             best = float(best)
-        if best is not None and (isinstance(best, bool) or not isinstance(best, numbers.Real)):
-            raise _damaged("best", best, "None or a number")
+        if best is not None and not _finite_number(best):
+            raise _damaged("best", best, "None or a finite number")
         for key, count in (("wait", wait), ("stopped_epoch", stopped_epoch)):
             if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
                 raise _damaged(key, count, "an integer >= 0")
@@ -260,14 +288,20 @@ class EarlyStopping(KeyedByMonitor, RefusesLightningAttributes):
         self.stopping_reason_message = message
 
 
+def _finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (not a bool, nor an int no float holds)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and not beyond_float(value)
+        and math.isfinite(value)
+    )
+
+
 def _threshold(name: str, value: Any) -> float | None:
     """``value`` of threshold ``name`` if it is None or a finite number, else a ValueError naming it."""
-    if value is not None and (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or beyond_float(value)
-        or not math.isfinite(value)
-    ):  # a str (or an int no float holds) failed in math.isfinite naming neither; True was a threshold of 1
+    if value is not None and not _finite_number(value):
+        # a str (or an int no float holds) failed in math.isfinite naming neither; True was a threshold of 1
         raise ValueError(f"{name} {shown(value)} is invalid; expected a finite number or None")
     return value
 

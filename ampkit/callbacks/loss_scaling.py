@@ -206,9 +206,10 @@ class LossScaling(Callback):
         self._counts_seen = {st.name: (st.steps, st.skipped_steps) for st in trainer.optimizer_state.values()}
 
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
-        # Rebuilt after training code unfroze a parameter or added a param group, also between the backwards of one
-        # iteration (accumulation, manual optimization): one left out would step on gradients still multiplied by the
-        # loss scale, never checked for inf. One frozen is left out from the next iteration on (it gets no gradient).
+        # Rebuilt after training code unfroze a parameter or added or replaced a param group, also between the
+        # backwards of one iteration (accumulation, manual optimization): one left out would step on gradients still
+        # multiplied by the loss scale, never checked for inf. One frozen is left out from the next iteration on (it
+        # gets no gradient).
         if self._looked_at != trainer.state.iteration:  # the iteration's first backward: every parameter read
             self._looked_at = trainer.state.iteration
             rebuild = self._trainable.changed()

@@ -5,10 +5,13 @@ records both by parameter name, so a resume rebuilds them before the optimizers'
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from ampkit.amp.trainable import any_requires_grad
 
 TRAINABLE_KEY = "trainable"
 
@@ -59,38 +62,51 @@ def restore_trainable(
 
 class TrainableParams:
     """Tells a cache of the trainable parameters when to rebuild: training code unfroze or froze a parameter, or
-    added a param group, since the last look (a fine-tuning run unfreezing its backbone at some epoch)."""
+    added, removed or replaced a param group, since the last look (a fine-tuning run unfreezing its backbone at some
+    epoch)."""
 
     def __init__(self, module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         self._params = list(module.parameters())
         self._optimizers = list(optimizers)
-        self._seen: tuple[int, list[bool]] | None = None
+        self._lists: list[list[torch.Tensor]] | None = None  # each param group's list of tensors at the last look
+        self._lengths: list[int] = []  # and its length
+        self._trainable: list[bool] = []
         self._frozen: list[torch.Tensor] = []  # the parameters frozen at the last look
 
-    def _held(self) -> int:
-        """How many tensors the optimizers hold: a param group added changes it."""
-        return sum([len(group["params"]) for optimizer in self._optimizers for group in optimizer.param_groups])
+    def _group_lists(self) -> list[list[torch.Tensor]]:
+        """Each param group's list of tensors, as the optimizers hold it."""
+        return [group["params"] for optimizer in self._optimizers for group in optimizer.param_groups]
+
+    def _same_groups(self, lists: list[list[torch.Tensor]]) -> bool:
+        """Whether the param groups' ``lists`` are those of the last look, each as long: a group added, removed or
+        replaced (even by one of the same size) or a list given another length is seen. The lists are held, so a new
+        one cannot take a freed one's id, and compared by identity (``==`` would compare their tensors). A tensor
+        assigned in place into a list is not seen: that would read every tensor each time."""
+        seen = self._lists
+        return (
+            seen is not None
+            and len(lists) == len(seen)
+            and all(map(operator.is_, lists, seen))
+            and list(map(len, lists)) == self._lengths
+        )
 
     def changed(self) -> bool:
         """Whether they changed since the last call (True at the first). Asked once an iteration by each callback
         that keeps such a list, it reads every parameter's ``requires_grad`` (about 80 ns each): a comprehension,
         not a generator unpacked into a tuple (a fifth less)."""
         trainable = [param.requires_grad for param in self._params]
-        now = (self._held(), trainable)
-        if now == self._seen:
+        lists = self._group_lists()
+        if self._same_groups(lists) and trainable == self._trainable:
             return False
-        self._seen = now
+        self._lists, self._lengths, self._trainable = lists, list(map(len, lists)), trainable
         self._frozen = [param for param, grad in zip(self._params, trainable, strict=True) if not grad]
         return True
 
     def grew(self) -> bool:
-        """Whether a parameter frozen at the last look requires a gradient now, or a param group was added; when so,
-        the look is taken again as :meth:`changed` takes it. For the backwards after an iteration's first: it reads
-        only the frozen parameters, nothing in a model with none (one frozen since is found at the next
+        """Whether a parameter frozen at the last look requires a gradient now, or a param group was added or replaced;
+        when so, the look is taken again as :meth:`changed` takes it. For the backwards after an iteration's first: it
+        reads only the frozen parameters, nothing in a model with none (one frozen since is found at the next
         :meth:`changed`; until then a backward gives it no gradient, which a cache that still holds it handles)."""
-        if self._seen is None or self._held() != self._seen[0]:
+        if not self._same_groups(self._group_lists()):
             return self.changed()
-        for param in self._frozen:  # a loop: any() over a generator costs twice as much a parameter
-            if param.requires_grad:
-                return self.changed()
-        return False
+        return any_requires_grad(self._frozen) and self.changed()

@@ -768,6 +768,43 @@ def test_a_param_group_added_mid_run_is_unscaled_and_gets_fp32_masters(tmp_path,
         assert all(p.dtype == torch.float32 for group in scaled.optimizer.param_groups for p in group["params"])
 
 
+class _SpareHead(nn.Sequential):
+    """Linear, Tanh, Linear, and a spare Linear the forward leaves out."""
+
+    def forward(self, x):
+        return self[2](self[1](self[0](x)))
+
+
+class ReplacesGroupTrainer(UnfreezeTrainer):
+    """The first layer trains from the start outside the optimizer, whose second group holds a spare head; at epoch 1
+    that group is removed and the first layer added as one of the same size (two tensors)."""
+
+    def configure_model(self):
+        return _SpareHead(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2), nn.Linear(8, 2))
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module[2].parameters(), lr=0.05)
+        sgd.add_param_group({"params": list(self.module[3].parameters())})
+        return sgd
+
+    def on_train_epoch_start(self):
+        if self.state.epoch == 1:
+            self.module[0].zero_grad(set_to_none=True)  # its gradients of epoch 0 differ with the scale
+            del self.optimizer.param_groups[1]
+            self.optimizer.add_param_group({"params": list(self.module[0].parameters())})
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_param_group_replaced_mid_run_by_one_of_its_size_is_unscaled(tmp_path, opt_level):
+    # Only the count of tensors the optimizer held was watched: the same count kept the unscale lists of the spare
+    # head, and the layer added stepped on gradients still multiplied by the loss scale.
+    precision = {"opt_level": opt_level, "dtype": "float16"}
+    scaled = _fit_unfreeze(tmp_path / "dynamic", trainer_class=ReplacesGroupTrainer, **precision)
+    unscaled = _fit_unfreeze(tmp_path / "one", trainer_class=ReplacesGroupTrainer, loss_scale=1.0, **precision)
+    assert not torch.equal(scaled.module[0].weight, scaled.first_layer_at_start)
+    assert torch.equal(scaled.module[0].weight, unscaled.module[0].weight)
+
+
 class ManualAddsGroupTrainer(AddsGroupTrainer):
     """The same, under manual optimization: ``backward(loss, optimizer=...)`` names the optimizer's tensors."""
 
@@ -787,6 +824,25 @@ def test_a_param_group_added_mid_run_trains_under_manual_optimization_like_autom
     manual = _fit_unfreeze(tmp_path / "manual", trainer_class=ManualAddsGroupTrainer, **precision)
     automatic = _fit_unfreeze(tmp_path / "automatic", trainer_class=AddsGroupTrainer, **precision)
     assert torch.equal(manual.module[0].weight, automatic.module[0].weight)
+
+
+def test_a_param_group_replaced_by_one_of_its_size_is_seen_as_a_change():
+    # Only the count of tensors the optimizers held was compared: a group removed and another of the same size added
+    # (or a group's list replaced) kept the count, so the unscale and inf-check lists went on without the new tensors.
+    from ampkit.trainer.param_groups import TrainableParams
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    sgd = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    sgd.add_param_group({"params": list(model[1].parameters())})
+    trainable = TrainableParams(model, [sgd])
+    assert trainable.changed() and not trainable.changed() and not trainable.grew()
+    del sgd.param_groups[1]
+    sgd.add_param_group({"params": list(model[2].parameters())})
+    assert trainable.grew() and not trainable.changed()
+    sgd.param_groups[1]["params"] = list(model[1].parameters())
+    assert trainable.changed() and not trainable.grew()
+    sgd.param_groups[1]["params"].append(model[2].weight)  # the same list, longer
+    assert trainable.grew() and not trainable.grew()
 
 
 def test_a_parameter_unfrozen_mid_run_is_checked_for_inf_without_a_scaler(tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from ampkit.amp import GradientCombiner, LossScaler, MasterWeights, OptLevelProperties
 from ampkit.amp.grad_combine import CombineResult
+from ampkit.amp.trainable import any_requires_grad
 from ampkit.compat import amp_c
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp._param_lists import MasterGroups, params_of_dtype
@@ -256,7 +257,7 @@ class AmpOptimizerStash:
             # was built. An unfrozen O2 parameter gets its master now (Apex never gave it one: it stepped in fp16 on
             # gradients left at the loss scale).
             unfrozen_low = self.master_weights is not None and self.master_weights.adopt_unfrozen()
-            if unfrozen_low or any(p.requires_grad for p in self._frozen_outside) or self._params_swapped_in():
+            if unfrozen_low or any_requires_grad(self._frozen_outside) or self._params_swapped_in():
                 self.combiner.remove()
                 self.combiner = self._build_combiner()
             self.combiner.prepare_backward()

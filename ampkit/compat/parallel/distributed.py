@@ -78,6 +78,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ampkit.amp.trainable import any_requires_grad
 from ampkit.compat.amp._amp_state import _amp_state
 from ampkit.compat.parallel.flat_dist import (
     apply_flat_dist_call,
@@ -576,7 +577,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         """Whether a parameter frozen at construction trains now (a layer unfrozen for fine-tuning). torch's reducer
         cannot take it in, and left alone its gradient would stay rank-local and the ranks drift apart; Apex rebuilt
         its buckets at such a forward. Such backwards reduce every gradient at their end, as ``delay_allreduce``."""
-        return any(p.requires_grad for p in self._frozen_at_construction)
+        return any_requires_grad(self._frozen_at_construction)
 
     def _stash_needs_every_backward_reduced(self) -> bool:
         if not _amp_state.gradients_leave_params:
