@@ -1143,3 +1143,23 @@ def test_a_run_dir_symlink_re_pointed_mid_run_does_not_send_the_saves_into_anoth
     assert _files(b) == theirs
     assert run.version_dir == a / "version_0" and not (a / "version_0" / LOCK_FILE).exists()
     assert load_checkpoint(a / "version_0" / "checkpoints" / "last.pt")["loop"]["global_step"] == 16
+
+
+def test_a_lock_whose_temp_file_cannot_be_written_leaves_no_temp_behind(tmp_path, monkeypatch):
+    """A full disk while the lock's temp file is written left a partial ``.run.lock.<pid>.<random>.tmp`` that the
+    tidy, seeing content that is not a lock's, kept for the user's: the temp is ampkit's own and goes with the error."""
+    from ampkit.trainer import run_life
+    from ampkit.trainer.run_life import RunLock
+
+    version_dir = tmp_path / "version_0"
+    version_dir.mkdir()
+
+    class FullDisk:
+        @staticmethod
+        def dumps(value):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_life, "json", FullDisk)
+    with pytest.raises(OSError, match="No space left"):
+        RunLock(version_dir).acquire()
+    assert list(version_dir.iterdir()) == []

@@ -1108,9 +1108,13 @@ class RunLock:
         # A free name (mkstemp's): a file of the user's at any name stays as it is, never written over
         fd, made = tempfile.mkstemp(prefix=f".{LOCK_FILE}.{os.getpid()}.", suffix=".tmp", dir=self.path.parent)
         tmp = Path(made)
-        with os.fdopen(fd, "w") as file:
-            os.fchmod(file.fileno(), 0o666 & ~_umask())
-            file.write(json.dumps(mine))
+        try:
+            with os.fdopen(fd, "w") as file:
+                os.fchmod(file.fileno(), 0o666 & ~_umask())
+                file.write(json.dumps(mine))
+        except BaseException:  # a full disk: the partial temp is ampkit's own, and goes with the error
+            tmp.unlink(missing_ok=True)
+            raise
         deadline, take_overs = time.monotonic() + TIDYING_WAIT_S, 0
         try:
             while True:
