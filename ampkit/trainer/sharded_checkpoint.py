@@ -49,7 +49,7 @@ from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gat
 from ampkit.trainer.optimizers import state_initialising_steps
 from ampkit.trainer.param_groups import TRAINABLE_KEY, trainable_record
 from ampkit.trainer.state_misfit import StateMisfit, check_optimizer_fits, model_misfit, shapes_of
-from ampkit.trainer.temp_names import free_dir, free_link, step_around
+from ampkit.trainer.temp_names import RANDOM_PART, free_dir, free_link, step_around
 from ampkit.trainer.waiting import barrier
 
 # torch.distributed.checkpoint is imported where it is used: loading it costs every run start-up time.
@@ -562,7 +562,7 @@ def discard_checkpoint_dir(directory: Path, home: Path) -> bool:
 # first. Nothing else in such a folder is ampkit's.
 _CHECKPOINT_PART = re.compile(
     rf"(?:\.metadata(?:\.tmp)?|__\d+\.metadata(?:\.tmp)?|__\d+_\d+\.distcp|{re.escape(TRAINER_FILE)})"
-    rf"|\.(?:\.metadata|__\d+_\d+\.distcp|{re.escape(TRAINER_FILE)})\.[a-z0-9_]{{8}}\.tmp"
+    rf"|\.(?:\.metadata|__\d+_\d+\.distcp|{re.escape(TRAINER_FILE)}){RANDOM_PART}\.tmp"
 )
 
 
